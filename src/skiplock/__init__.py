@@ -1,0 +1,41 @@
+"""skiplock: a job queue for Python that lives inside PostgreSQL.
+
+Enqueue in your own transaction; workers claim with FOR UPDATE SKIP LOCKED.
+"""
+
+from skiplock.app import App
+from skiplock.context import current_job
+from skiplock.errors import (
+    ConfigurationError,
+    EnqueueError,
+    JobNotFoundError,
+    Retry,
+    SchemaNotReadyError,
+    SkiplockError,
+    UnknownTaskError,
+)
+from skiplock.retry import RetryPolicy
+from skiplock.tasks import JobSpec, Task
+from skiplock.types import ClaimedJob, Job, JobState
+from skiplock.worker import Worker
+
+__all__ = [
+    "App",
+    "ClaimedJob",
+    "ConfigurationError",
+    "EnqueueError",
+    "Job",
+    "JobNotFoundError",
+    "JobSpec",
+    "JobState",
+    "Retry",
+    "RetryPolicy",
+    "SchemaNotReadyError",
+    "SkiplockError",
+    "Task",
+    "UnknownTaskError",
+    "Worker",
+    "current_job",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,89 @@
+"""The App: a task registry bound to one database and schema."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, overload
+
+import psycopg
+
+from skiplock import client
+from skiplock.config import DEFAULT_SCHEMA, SCHEMA_ENV, resolve_database_url, validate_schema
+from skiplock.errors import ConfigurationError, UnknownTaskError
+from skiplock.migrate import Migration, check_schema_ready, migrate
+from skiplock.tasks import MAX_TASK_NAME, JobSpec, Task, check_name, parse_task_options
+
+R = TypeVar("R")
+
+
+class App:
+    """Tasks plus where their jobs live.
+
+    ``database_url`` defaults to ``SKIPLOCK_DATABASE_URL``, else an embedded PostgreSQL
+    that is started on first use. Nothing connects until something needs the database.
+    """
+
+    def __init__(self, database_url: str | None = None, *, schema: str | None = None) -> None:
+        import os  # noqa: PLC0415
+
+        self.schema = validate_schema(schema or os.environ.get(SCHEMA_ENV) or DEFAULT_SCHEMA)
+        self._database_url = database_url
+        self.tasks: dict[str, Task[Any]] = {}
+
+    @property
+    def database_url(self) -> str:
+        if self._database_url is None:
+            self._database_url = resolve_database_url()
+        return self._database_url
+
+    @overload
+    def task(self, fn: Callable[..., R], /) -> Task[R]: ...
+
+    @overload
+    def task(self, fn: None = None, /, **options: Any) -> Callable[[Callable[..., R]], Task[R]]: ...
+
+    def task(
+        self, fn: Callable[..., R] | None = None, /, **options: Any
+    ) -> Task[R] | Callable[[Callable[..., R]], Task[R]]:
+        """Register a handler. Options: name, queue, priority, max_attempts, retry,
+        transactional, timeout. Unknown options fail here, not when a job runs."""
+        name, parsed = parse_task_options(options)
+
+        def register(func: Callable[..., R]) -> Task[R]:
+            task_name = name or f"{func.__module__}.{func.__qualname__}"
+            check_name("task", task_name, MAX_TASK_NAME)
+            if task_name in self.tasks:
+                raise ConfigurationError(f"task {task_name!r} is already registered")
+            registered = Task(self, func, task_name, parsed)
+            self.tasks[task_name] = registered
+            return registered
+
+        return register(fn) if fn is not None else register
+
+    def get_task(self, name: str) -> Task[Any]:
+        try:
+            return self.tasks[name]
+        except KeyError:
+            raise UnknownTaskError(f"no task named {name!r} is registered in this app") from None
+
+    def connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
+        """A new connection to the app's database (the caller closes it)."""
+        return psycopg.connect(self.database_url, **kwargs)
+
+    def migrate(self, *, target: int | None = None) -> list[Migration]:
+        """Apply pending schema migrations; safe to call from several processes at once."""
+        with self.connect(autocommit=True) as conn:
+            return migrate(conn, self.schema, target=target)
+
+    def check_schema(self) -> None:
+        with self.connect(autocommit=True) as conn:
+            check_schema_ready(conn, self.schema)
+
+    def enqueue_many(self, conn: psycopg.Connection[Any], jobs: Sequence[JobSpec]) -> list[int]:
+        """Insert many jobs in one statement in ``conn``'s transaction. Returns their ids."""
+        return client.insert_jobs(conn, self.schema, jobs)
+
+    async def enqueue_many_async(
+        self, conn: psycopg.AsyncConnection[Any], jobs: Sequence[JobSpec]
+    ) -> list[int]:
+        return await client.insert_jobs_async(conn, self.schema, jobs)

@@ -1,0 +1,297 @@
+"""The ``skiplock`` command: a thin layer over the public API."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from skiplock import client
+from skiplock.app import App
+from skiplock.config import DEFAULT_SCHEMA, SCHEMA_ENV
+from skiplock.errors import ConfigurationError, SkiplockError
+from skiplock.migrate import available_migrations, migrate, pending_migrations
+from skiplock.types import Job
+
+
+def load_app(spec: str) -> App:
+    """Import ``module:attribute`` (the current directory is importable, like python -m)."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ConfigurationError(f"expected MODULE:APP (e.g. myapp.tasks:app), got {spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot import {module_name!r}: {exc}") from exc
+    app = getattr(module, attribute, None)
+    if not isinstance(app, App):
+        raise ConfigurationError(f"{spec!r} is not a skiplock.App (got {type(app).__name__})")
+    return app
+
+
+def _app_from_args(args: argparse.Namespace) -> App:
+    if getattr(args, "app", None):
+        app = load_app(args.app)
+        if args.database_url:
+            app._database_url = args.database_url
+        return app
+    return App(args.database_url, schema=args.schema)
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    app = App(args.database_url, schema=args.schema)
+    with app.connect(autocommit=True) as conn:
+        pending = pending_migrations(conn, app.schema)
+        if args.status:
+            done = {m.version for m in available_migrations()} - {m.version for m in pending}
+            for m in available_migrations():
+                mark = "applied" if m.version in done else "pending"
+                print(f"{m.version:04d}_{m.name}  {mark}")
+            return 0
+        if args.sql:
+            for m in pending:
+                print(f"-- {m.version:04d}_{m.name}\nSET LOCAL search_path TO {app.schema};")
+                print(m.sql)
+            return 0
+        applied = migrate(conn, app.schema, target=args.target)
+    if not applied:
+        print(f"schema {app.schema!r} is up to date")
+    for m in applied:
+        print(f"applied {m.version:04d}_{m.name}")
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    if args.processes > 1:
+        return _supervise(args)
+    from skiplock.worker import Worker  # noqa: PLC0415
+
+    app = _app_from_args(args)
+    queues = [q.strip() for q in args.queues.split(",") if q.strip()]
+    worker = Worker(
+        app,
+        queues=queues,
+        concurrency=args.concurrency,
+        poll_interval=args.poll_interval,
+        lease_seconds=args.lease,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    worker.run()
+    return 0
+
+
+def _supervise(args: argparse.Namespace) -> int:
+    """Run ``--processes`` single-process workers, forwarding stop signals and
+    restarting any that die, so CPU-bound sync handlers use every core."""
+    command = [sys.executable, "-m", "skiplock", "--schema", args.schema]
+    if args.database_url:
+        command += ["--database-url", args.database_url]
+    command += [
+        "worker",
+        args.app,
+        "--queues",
+        args.queues,
+        "--concurrency",
+        str(args.concurrency),
+        "--lease",
+        str(args.lease),
+        "--poll-interval",
+        str(args.poll_interval),
+        "--shutdown-timeout",
+        str(args.shutdown_timeout),
+    ]
+    children = [subprocess.Popen(command) for _ in range(args.processes)]
+    stopping = False
+
+    def forward(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    while True:
+        for i, child in enumerate(children):
+            code = child.poll()
+            if code is not None and not stopping:
+                logging.getLogger("skiplock.cli").warning(
+                    "worker process %s exited with %s; restarting it", child.pid, code
+                )
+                time.sleep(1)
+                children[i] = subprocess.Popen(command)
+        if stopping and all(c.poll() is not None for c in children):
+            return 0
+        time.sleep(0.2)
+
+
+def _fmt_time(value: datetime | None) -> str:
+    return value.isoformat(timespec="seconds") if value else "-"
+
+
+def _job_dict(job: Job) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "queue": job.queue,
+        "task": job.task,
+        "state": str(job.state),
+        "args": job.args,
+        "priority": job.priority,
+        "attempts": job.attempts,
+        "max_attempts": job.max_attempts,
+        "run_at": _fmt_time(job.run_at),
+        "created_at": _fmt_time(job.created_at),
+        "attempted_at": _fmt_time(job.attempted_at),
+        "finished_at": _fmt_time(job.finished_at),
+        "worker_id": str(job.worker_id) if job.worker_id else None,
+        "errors": job.errors,
+        "result": job.result,
+    }
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    app = App(args.database_url, schema=args.schema)
+    with app.connect() as conn:
+        if args.jobs_command == "list":
+            jobs = client.list_jobs(
+                conn,
+                app.schema,
+                state=args.state,
+                queue=args.queue,
+                task=args.task,
+                limit=args.limit,
+            )
+            if args.json:
+                print(json.dumps([_job_dict(j) for j in jobs], default=str))
+                return 0
+            print(f"{'id':>8}  {'state':<10} {'queue':<12} {'attempts':>8}  task / last error")
+            for job in jobs:
+                print(
+                    f"{job.id:>8}  {job.state!s:<10} {job.queue:<12} "
+                    f"{job.attempts:>3}/{job.max_attempts:<4}  {job.task}"
+                    + (f"  [{job.last_error}]" if job.last_error else "")
+                )
+            return 0
+        if args.jobs_command == "show":
+            job = client.get_job(conn, app.schema, args.id)
+            print(json.dumps(_job_dict(job), indent=2, default=str))
+            return 0
+        if args.jobs_command == "retry":
+            client.retry_job(conn, app.schema, args.id)
+            conn.commit()
+            print(f"job {args.id} is available again")
+            return 0
+        if args.jobs_command == "cancel":
+            client.cancel_job(conn, app.schema, args.id)
+            conn.commit()
+            print(f"job {args.id} cancelled")
+            return 0
+    raise AssertionError(args.jobs_command)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    app = App(args.database_url, schema=args.schema)
+    with app.connect(autocommit=True) as conn:
+        stats = client.queue_stats(conn, app.schema)
+    if args.json:
+        print(json.dumps(stats, default=float))
+        return 0
+    print(
+        f"{'queue':<16}{'available':>10}{'scheduled':>10}{'running':>9}"
+        f"{'retryable':>10}{'dead':>6}  oldest ready"
+    )
+    for row in stats:
+        oldest = row["oldest_ready_seconds"]
+        print(
+            f"{row['queue']:<16}{row['available']:>10}{row['scheduled']:>10}{row['running']:>9}"
+            f"{row['retryable']:>10}{row['dead']:>6}  "
+            + (f"{float(oldest):.1f}s" if oldest is not None else "-")
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="skiplock", description="A PostgreSQL job queue for Python."
+    )
+    parser.add_argument(
+        "--database-url",
+        default=None,
+        help="PostgreSQL URL (default: $SKIPLOCK_DATABASE_URL, else an embedded server)",
+    )
+    parser.add_argument(
+        "--schema",
+        default=os.environ.get(SCHEMA_ENV, DEFAULT_SCHEMA),
+        help="schema holding skiplock's tables (default: %(default)s)",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("migrate", help="apply pending schema migrations")
+    p.add_argument("--status", action="store_true", help="list migrations and whether applied")
+    p.add_argument("--sql", action="store_true", help="print the SQL that would run")
+    p.add_argument("--target", type=int, default=None, help="stop at this version")
+    p.set_defaults(func=cmd_migrate)
+
+    p = sub.add_parser("worker", help="run jobs")
+    p.add_argument("app", help="the App to run, as MODULE:ATTRIBUTE (e.g. myapp.tasks:app)")
+    p.add_argument("--queues", default="default", help="comma-separated (default: default)")
+    p.add_argument("--concurrency", type=int, default=10, help="jobs at once per process")
+    p.add_argument("--processes", type=int, default=1, help="worker processes to run")
+    p.add_argument("--lease", type=float, default=30.0, help="lease seconds (default 30)")
+    p.add_argument("--poll-interval", type=float, default=1.0, help="fallback poll seconds")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("jobs", help="list, show, retry or cancel jobs")
+    jobs = p.add_subparsers(dest="jobs_command", required=True)
+    q = jobs.add_parser("list")
+    q.add_argument("--state", choices=["available", "running", "retryable", "dead"])
+    q.add_argument("--queue")
+    q.add_argument("--task")
+    q.add_argument("--limit", type=int, default=100)
+    q.add_argument("--json", action="store_true")
+    for name, text in (
+        ("show", "show one job, with every error"),
+        ("retry", "send a dead or waiting job back to its queue with fresh attempts"),
+        ("cancel", "cancel a job that is not running"),
+    ):
+        q = jobs.add_parser(name, help=text)
+        q.add_argument("id", type=int)
+    p.set_defaults(func=cmd_jobs)
+
+    p = sub.add_parser("status", help="depth, oldest ready age, running and dead per queue")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose > 1 else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args))
+    except SkiplockError as exc:
+        print(f"skiplock: {exc}", file=sys.stderr)
+        return 2
+    except psycopg.OperationalError as exc:
+        print(f"skiplock: cannot reach the database: {str(exc).strip()}", file=sys.stderr)
+        return 2

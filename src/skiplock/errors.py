@@ -1,0 +1,42 @@
+"""Errors raised by skiplock, and the exceptions a handler raises to steer its own job."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+
+class SkiplockError(Exception):
+    """Base class of every error skiplock raises."""
+
+
+class ConfigurationError(SkiplockError):
+    """A setting, task option or connection target is wrong; the message names the fix."""
+
+
+class SchemaNotReadyError(SkiplockError):
+    """The database schema is missing or behind this version of skiplock."""
+
+
+class EnqueueError(SkiplockError, ValueError):
+    """A job could not be enqueued: arguments or options are invalid. Nothing was written."""
+
+
+class UnknownTaskError(SkiplockError, LookupError):
+    """A job names a task that this app has not registered."""
+
+
+class JobNotFoundError(SkiplockError, LookupError):
+    """No live job has that id (it may have finished and moved to history)."""
+
+
+class Retry(Exception):  # noqa: N818 - raised by handlers; reads as an instruction
+    """Raise from a handler to fail this attempt and run again after ``after``.
+
+    Counts as an attempt: when attempts are exhausted the job is dead, as with any failure.
+    ``after`` is a delay in seconds, a ``timedelta``, or an absolute ``datetime``.
+    """
+
+    def __init__(self, after: float | timedelta | datetime | None = None, reason: str = "") -> None:
+        super().__init__(reason or "retry requested")
+        self.after = after
+        self.reason = reason

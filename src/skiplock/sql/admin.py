@@ -1,0 +1,69 @@
+"""Reading and steering jobs by hand: the CLI's and operators' statements."""
+
+JOB_GET = """
+SELECT id, queue, task, args, state, priority, run_at, attempts, max_attempts, errors,
+       worker_id, lease_expires_at, created_at, attempted_at,
+       NULL::timestamptz AS finished_at, NULL::jsonb AS result
+FROM {jobs} WHERE id = %(id)s
+UNION ALL
+SELECT id, queue, task, args, state, priority, NULL, attempts, max_attempts, errors,
+       NULL, NULL, created_at, attempted_at, finished_at, result
+FROM {history} WHERE id = %(id)s
+LIMIT 1
+"""
+
+JOB_LIST = """
+SELECT id, queue, task, args, state, priority, run_at, attempts, max_attempts, errors,
+       worker_id, lease_expires_at, created_at, attempted_at,
+       NULL::timestamptz AS finished_at, NULL::jsonb AS result
+FROM {jobs}
+WHERE (%(state)s::text IS NULL OR state = %(state)s)
+  AND (%(queue)s::text IS NULL OR queue = %(queue)s)
+  AND (%(task)s::text IS NULL OR task = %(task)s)
+ORDER BY id
+LIMIT %(limit)s
+"""
+
+# A dead (or waiting) job goes back to the queue with a fresh set of attempts; its errors
+# are kept so the history of what went wrong survives the retry.
+JOB_RETRY = """
+UPDATE {jobs}
+SET state = 'available', run_at = now(), attempts = 0, worker_id = NULL,
+    lease_expires_at = NULL
+WHERE id = %(id)s AND state IN ('dead', 'retryable', 'available')
+RETURNING id
+"""
+
+# Wake the queue's workers after a manual retry (the insert trigger does not fire on update).
+QUEUE_NOTIFY = """
+SELECT pg_notify(%(channel)s, %(queue)s)
+"""
+
+JOB_CANCEL_WAITING = """
+WITH gone AS (
+    DELETE FROM {jobs}
+    WHERE id = %(id)s AND state IN ('available', 'retryable', 'dead')
+    RETURNING *
+)
+INSERT INTO {history} (id, queue, task, args, state, priority, attempts, max_attempts, errors,
+                       result, unique_key, ordering_key, created_at, attempted_at)
+SELECT id, queue, task, args, 'cancelled', priority, attempts, max_attempts, errors,
+       NULL, unique_key, ordering_key, created_at, attempted_at
+FROM gone
+RETURNING id
+"""
+
+# Monitoring figures per queue; "scheduled" is available with a future run_at.
+QUEUE_STATS = """
+SELECT queue,
+       count(*) FILTER (WHERE state = 'available' AND run_at <= now()) AS available,
+       count(*) FILTER (WHERE state = 'available' AND run_at > now()) AS scheduled,
+       count(*) FILTER (WHERE state = 'running') AS running,
+       count(*) FILTER (WHERE state = 'retryable') AS retryable,
+       count(*) FILTER (WHERE state = 'dead') AS dead,
+       extract(epoch FROM now() - min(run_at) FILTER (
+           WHERE state IN ('available', 'retryable') AND run_at <= now())) AS oldest_ready_seconds
+FROM {jobs}
+GROUP BY queue
+ORDER BY queue
+"""

@@ -1,0 +1,45 @@
+"""Taking ready jobs off a queue without fighting other workers over them."""
+
+# Lease mode: lock up to `limit` ready rows, skipping those another worker holds, and mark
+# them running in the same statement; the caller commits at once. The CTE is what makes
+# LIMIT bind: a bare UPDATE ... WHERE id IN (SELECT ... LIMIT) may be planned to update
+# more rows than the limit. The inner ORDER BY matches the jobs_claim index exactly.
+# attempts + 1 becomes this attempt's fencing token.
+JOB_CLAIM_BATCH = """
+WITH picked AS (
+    SELECT id
+    FROM {jobs}
+    WHERE queue = %(queue)s
+      AND state IN ('available', 'retryable')
+      AND run_at <= now()
+      AND task <> ALL(%(exclude_tasks)s::text[])
+    ORDER BY priority DESC, run_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {jobs} AS j
+SET state = 'running',
+    attempts = j.attempts + 1,
+    worker_id = %(worker_id)s,
+    attempted_at = now(),
+    lease_expires_at = now() + %(lease_seconds)s * interval '1 second'
+FROM picked
+WHERE j.id = picked.id
+RETURNING j.id, j.queue, j.task, j.args, j.priority, j.run_at, j.attempts, j.max_attempts,
+          j.created_at
+"""
+
+# Transactional mode: lock ready rows and leave them as they are. The row lock is the
+# claim; it lasts exactly as long as the caller's transaction, so a crash rolls everything
+# back and the job is claimable again with attempts unchanged.
+JOB_LOCK_BATCH = """
+SELECT id, queue, task, args, priority, run_at, attempts, max_attempts, created_at
+FROM {jobs}
+WHERE queue = %(queue)s
+  AND state IN ('available', 'retryable')
+  AND run_at <= now()
+  AND task = ANY(%(tasks)s::text[])
+ORDER BY priority DESC, run_at, id
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+"""

@@ -1,0 +1,93 @@
+"""Writing outcomes. Every write is fenced: it only touches a row this worker still holds.
+
+Lease-mode statements take parallel arrays (one statement per outcome kind per batch) and
+return the ids they changed; the caller compares them with what it sent and counts the
+refused ones. A refusal means the lease was lost and the job was rescued, maybe already
+re-run elsewhere: the stale attempt must not overwrite it.
+"""
+
+_HISTORY_COLUMNS = """id, queue, task, args, state, priority, attempts, max_attempts, errors,
+                    result, unique_key, ordering_key, created_at, attempted_at"""
+
+JOB_COMPLETE_MANY_IF_LEASED = (
+    """
+WITH done AS (
+    DELETE FROM {jobs} AS j
+    USING unnest(%(ids)s::bigint[], %(attempts)s::int[], %(results)s::text[])
+          AS o(id, attempt, result)
+    WHERE j.id = o.id
+      AND j.attempts = o.attempt
+      AND j.worker_id = %(worker_id)s
+      AND j.state = 'running'
+    RETURNING j.*, o.result
+)
+INSERT INTO {history} ("""
+    + _HISTORY_COLUMNS
+    + """)
+SELECT id, queue, task, args, 'completed', priority, attempts, max_attempts, errors,
+       result::jsonb, unique_key, ordering_key, created_at, attempted_at
+FROM done
+RETURNING id
+"""
+)
+
+# A failed attempt: back to retryable at run_at (now + delay), or dead. The lease is
+# dropped either way; the error is appended so every attempt's failure is kept.
+JOB_FAIL_MANY_IF_LEASED = """
+UPDATE {jobs} AS j
+SET state = CASE WHEN o.dead THEN 'dead' ELSE 'retryable' END,
+    run_at = now() + o.delay * interval '1 second',
+    errors = j.errors || jsonb_build_array(o.error::jsonb),
+    worker_id = NULL,
+    lease_expires_at = NULL
+FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(dead)s::bool[], %(delays)s::float8[],
+            %(errors)s::text[]) AS o(id, attempt, dead, delay, error)
+WHERE j.id = o.id
+  AND j.attempts = o.attempt
+  AND j.worker_id = %(worker_id)s
+  AND j.state = 'running'
+RETURNING j.id
+"""
+
+# Heartbeat for long jobs: push the lease forward for every job this worker still holds.
+# A job missing from RETURNING was rescued: its handler should stop.
+JOB_EXTEND_LEASES = """
+UPDATE {jobs} AS j
+SET lease_expires_at = now() + %(lease_seconds)s * interval '1 second'
+FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS o(id, attempt)
+WHERE j.id = o.id
+  AND j.attempts = o.attempt
+  AND j.worker_id = %(worker_id)s
+  AND j.state = 'running'
+RETURNING j.id
+"""
+
+# Transactional mode: the row lock taken by JOB_LOCK_BATCH is held by this very
+# transaction, so the lock is the fence; the state check guards against misuse.
+JOB_COMPLETE_LOCKED = (
+    """
+WITH done AS (
+    DELETE FROM {jobs}
+    WHERE id = %(id)s AND state IN ('available', 'retryable')
+    RETURNING *
+)
+INSERT INTO {history} ("""
+    + _HISTORY_COLUMNS
+    + """)
+SELECT id, queue, task, args, 'completed', priority, attempts + 1, max_attempts, errors,
+       %(result)s::jsonb, unique_key, ordering_key, created_at, now()
+FROM done
+RETURNING id
+"""
+)
+
+JOB_FAIL_LOCKED = """
+UPDATE {jobs}
+SET state = CASE WHEN %(dead)s THEN 'dead' ELSE 'retryable' END,
+    attempts = attempts + 1,
+    attempted_at = now(),
+    run_at = now() + %(delay)s * interval '1 second',
+    errors = errors || jsonb_build_array(%(error)s::jsonb)
+WHERE id = %(id)s AND state IN ('available', 'retryable')
+RETURNING id
+"""

@@ -1,0 +1,33 @@
+"""Rescuing jobs whose worker is gone, and keeping the worker registry current."""
+
+# A lease that ran out means a hung, partitioned or dead worker. Give the job back (or park
+# it as dead when it has no attempts left) and say why on the job. Fenced on the deadline
+# itself, so a lease extended a moment ago is left alone.
+JOB_RESCUE_EXPIRED = """
+UPDATE {jobs}
+SET state = CASE WHEN attempts >= max_attempts THEN 'dead' ELSE 'available' END,
+    errors = errors || jsonb_build_array(jsonb_build_object(
+        'attempt', attempts,
+        'at', now(),
+        'type', 'LeaseExpired',
+        'message', 'lease expired on worker ' || worker_id::text || '; job rescued',
+        'traceback', NULL)),
+    worker_id = NULL,
+    lease_expires_at = NULL
+WHERE state = 'running' AND lease_expires_at < now()
+RETURNING id, queue
+"""
+
+WORKER_REGISTER = """
+INSERT INTO {workers} (id, host, pid, queues, concurrency)
+VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(concurrency)s)
+ON CONFLICT (id) DO UPDATE SET last_seen_at = now()
+"""
+
+WORKER_TOUCH = """
+UPDATE {workers} SET last_seen_at = now() WHERE id = %(id)s
+"""
+
+WORKER_DEREGISTER = """
+DELETE FROM {workers} WHERE id = %(id)s
+"""

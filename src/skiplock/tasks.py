@@ -1,0 +1,287 @@
+"""Task definitions: options validated when the task is defined, arguments when enqueued.
+
+Everything here is pure; ``client`` does the writing.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import json
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from skiplock.errors import ConfigurationError, EnqueueError
+from skiplock.retry import RetryPolicy
+
+if TYPE_CHECKING:
+    import psycopg
+
+    from skiplock.app import App
+
+R = TypeVar("R")
+
+_NAME = re.compile(r"^[A-Za-z0-9_.:\-]+$")
+MAX_QUEUE_NAME = 128
+MAX_TASK_NAME = 255
+PRIORITY_RANGE = (-32768, 32767)
+MAX_ARGS_BYTES = 64 * 1024 * 1024
+
+
+def check_name(kind: str, value: object, max_length: int) -> str:
+    """Queue and task names: short, printable, safe in logs, CLIs and NOTIFY payloads."""
+    if not isinstance(value, str) or not value:
+        raise ConfigurationError(f"{kind} name must be a non-empty string, got {value!r}")
+    if len(value) > max_length:
+        raise ConfigurationError(f"{kind} name is {len(value)} characters; at most {max_length}")
+    if not _NAME.match(value):
+        raise ConfigurationError(
+            f"{kind} name {value!r} may only contain letters, digits and '_', '.', ':', '-'"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class TaskOptions:
+    """Per-task defaults; each can be overridden per call where it makes sense."""
+
+    queue: str = "default"
+    priority: int = 0
+    max_attempts: int = 3
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    transactional: bool = False
+    timeout: float | None = None
+
+
+_OPTION_NAMES = ("name", *TaskOptions.__dataclass_fields__)
+_CALL_OPTION_NAMES = ("queue", "priority", "max_attempts", "run_at", "delay")
+
+
+def _reject_unknown(given: Mapping[str, object], known: tuple[str, ...], where: str) -> None:
+    for key in given:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" - did you mean {close[0]!r}?" if close else f" (known: {', '.join(known)})"
+            raise ConfigurationError(f"unknown {where} option {key!r}{hint}")
+
+
+def _check_priority(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigurationError(f"priority must be an integer, got {value!r}")
+    low, high = PRIORITY_RANGE
+    if not low <= value <= high:
+        raise ConfigurationError(f"priority must be between {low} and {high}, got {value}")
+    return value
+
+
+def _check_max_attempts(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigurationError(f"max_attempts must be an integer >= 1, got {value!r}")
+    return value
+
+
+def parse_task_options(options: Mapping[str, Any]) -> tuple[str | None, TaskOptions]:
+    """Validate ``@app.task(...)`` keywords, failing early with a suggestion for typos."""
+    _reject_unknown(options, _OPTION_NAMES, "task")
+    name = options.get("name")
+    if name is not None:
+        check_name("task", name, MAX_TASK_NAME)
+    parsed = TaskOptions(**{k: v for k, v in options.items() if k != "name"})
+    check_name("queue", parsed.queue, MAX_QUEUE_NAME)
+    _check_priority(parsed.priority)
+    _check_max_attempts(parsed.max_attempts)
+    if not isinstance(parsed.retry, RetryPolicy):
+        raise ConfigurationError(f"retry must be a skiplock.RetryPolicy, got {parsed.retry!r}")
+    if parsed.timeout is not None and not (
+        isinstance(parsed.timeout, (int, float)) and parsed.timeout > 0
+    ):
+        raise ConfigurationError(
+            f"timeout must be a positive number of seconds, got {parsed.timeout!r}"
+        )
+    return name, parsed
+
+
+def _json_problem(value: object, path: str) -> str | None:
+    """Why ``value`` cannot be stored as JSON in PostgreSQL, or None when it can."""
+    if value is None or isinstance(value, (bool, int)):
+        return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{path} is {value!r}, which JSON cannot hold"
+    if isinstance(value, str):
+        if "\x00" in value:
+            return f"{path} contains a NUL character, which PostgreSQL jsonb cannot store"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"{path} contains a lone surrogate and is not valid Unicode"
+        return None
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            problem = _json_problem(item, f"{path}[{index}]")
+            if problem:
+                return problem
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"{path} has a non-string key {key!r}"
+            problem = _json_problem(key, f"{path} key {key!r}") or _json_problem(
+                item, f"{path}[{key!r}]"
+            )
+            if problem:
+                return problem
+        return None
+    return f"{path} is a {type(value).__name__}, which is not JSON (pass ids, not objects)"
+
+
+def encode_args(task_name: str, args: Mapping[str, Any]) -> str:
+    """Arguments as a JSON object, or an EnqueueError naming the argument that cannot be."""
+    for key, value in args.items():
+        problem = _json_problem(value, f"argument {key!r}")
+        if problem:
+            raise EnqueueError(f"cannot enqueue {task_name}: {problem}")
+    encoded = json.dumps(dict(args), allow_nan=False, separators=(",", ":"))
+    if len(encoded) > MAX_ARGS_BYTES:
+        raise EnqueueError(
+            f"cannot enqueue {task_name}: arguments are {len(encoded)} bytes of JSON; "
+            f"the limit is {MAX_ARGS_BYTES} (store large data elsewhere and pass a key)"
+        )
+    return encoded
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job ready to insert: validated, JSON-encoded, nothing written yet."""
+
+    task: str
+    args_json: str
+    queue: str
+    priority: int
+    max_attempts: int
+    run_at: datetime | None = None
+    delay: float = 0.0
+
+
+class Task(Generic[R]):
+    """A registered handler. Call it to run it inline; ``enqueue`` to run it later."""
+
+    def __init__(self, app: App, fn: Callable[..., R], name: str, options: TaskOptions) -> None:
+        self.app = app
+        self.fn = fn
+        self.name = name
+        self.options = options
+        self.is_async = inspect.iscoroutinefunction(fn)
+        self._signature = inspect.signature(fn)
+        self._check_signature()
+
+    def _check_signature(self) -> None:
+        params = list(self._signature.parameters.values())
+        if self.options.transactional:
+            if not params or params[0].kind not in (
+                inspect.Parameter.POSITIONAL_ONLY,
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            ):
+                raise ConfigurationError(
+                    f"transactional task {self.name!r} must take the connection as its first "
+                    "positional parameter, e.g. def handler(conn, order_id): ..."
+                )
+            params = params[1:]
+        for param in params:
+            if param.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL):
+                raise ConfigurationError(
+                    f"task {self.name!r}: parameter {param.name!r} cannot be passed by keyword; "
+                    "job arguments are stored as a JSON object of named values"
+                )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> R:
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<Task {self.name} queue={self.options.queue}>"
+
+    def check_args(self, args: Mapping[str, Any]) -> None:
+        """Raise EnqueueError naming the argument when ``args`` does not fit the handler."""
+        try:
+            if self.options.transactional:
+                self._signature.bind(None, **args)
+            else:
+                self._signature.bind(**args)
+        except TypeError as exc:
+            raise EnqueueError(f"cannot enqueue {self.name}: {exc}") from None
+
+    def with_options(self, **options: Any) -> TaskCall[R]:
+        """Override queue, priority, max_attempts, run_at or delay for the next enqueue."""
+        return TaskCall(self).with_options(**options)
+
+    def job(self, **args: Any) -> JobSpec:
+        """A validated job for ``App.enqueue_many``."""
+        return TaskCall(self).job(**args)
+
+    def enqueue(self, conn: psycopg.Connection[Any], **args: Any) -> int:
+        """Insert the job in ``conn``'s current transaction; never commits. Returns its id."""
+        return TaskCall(self).enqueue(conn, **args)
+
+    async def enqueue_async(self, conn: psycopg.AsyncConnection[Any], **args: Any) -> int:
+        """Async twin of ``enqueue``."""
+        return await TaskCall(self).enqueue_async(conn, **args)
+
+
+@dataclass(frozen=True)
+class TaskCall(Generic[R]):
+    """A task with per-call options applied."""
+
+    task: Task[R]
+    queue: str | None = None
+    priority: int | None = None
+    max_attempts: int | None = None
+    run_at: datetime | None = None
+    delay: float = 0.0
+
+    def with_options(self, **options: Any) -> TaskCall[R]:
+        _reject_unknown(options, _CALL_OPTION_NAMES, "enqueue")
+        if "queue" in options:
+            check_name("queue", options["queue"], MAX_QUEUE_NAME)
+        if "priority" in options:
+            _check_priority(options["priority"])
+        if "max_attempts" in options:
+            _check_max_attempts(options["max_attempts"])
+        run_at = options.get("run_at")
+        if run_at is not None and (not isinstance(run_at, datetime) or run_at.tzinfo is None):
+            raise ConfigurationError(f"run_at must be a timezone-aware datetime, got {run_at!r}")
+        delay = options.get("delay", 0.0)
+        if (
+            not isinstance(delay, (int, float))
+            or isinstance(delay, bool)
+            or not (math.isfinite(delay) and delay >= 0)
+        ):
+            raise ConfigurationError(f"delay must be a number of seconds >= 0, got {delay!r}")
+        if run_at is not None and "delay" in options:
+            raise ConfigurationError("give run_at or delay, not both")
+        return replace(self, **options)
+
+    def job(self, **args: Any) -> JobSpec:
+        task = self.task
+        task.check_args(args)
+        return JobSpec(
+            task=task.name,
+            args_json=encode_args(task.name, args),
+            queue=self.queue or task.options.queue,
+            priority=task.options.priority if self.priority is None else self.priority,
+            max_attempts=self.max_attempts or task.options.max_attempts,
+            run_at=self.run_at,
+            delay=float(self.delay),
+        )
+
+    def enqueue(self, conn: psycopg.Connection[Any], **args: Any) -> int:
+        from skiplock import client  # noqa: PLC0415 - client imports tasks
+
+        return client.insert_job(conn, self.task.app.schema, self.job(**args))
+
+    async def enqueue_async(self, conn: psycopg.AsyncConnection[Any], **args: Any) -> int:
+        from skiplock import client  # noqa: PLC0415
+
+        return await client.insert_job_async(conn, self.task.app.schema, self.job(**args))

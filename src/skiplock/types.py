@@ -1,0 +1,79 @@
+"""The job's vocabulary: states and the frozen row a handler's job is read into."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+
+class JobState(str, enum.Enum):
+    """One vocabulary for SQL, Python, CLI and docs.
+
+    ``available`` with a future ``run_at`` is what operators call scheduled.
+    ``completed`` and ``cancelled`` live in the history table; the rest in the hot table.
+    """
+
+    AVAILABLE = "available"
+    RUNNING = "running"
+    RETRYABLE = "retryable"
+    DEAD = "dead"
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+JsonDict = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job row as it was read; never updated in place."""
+
+    id: int
+    queue: str
+    task: str
+    args: JsonDict
+    state: JobState
+    priority: int
+    run_at: datetime
+    attempts: int
+    max_attempts: int
+    errors: list[JsonDict]
+    worker_id: UUID | None
+    lease_expires_at: datetime | None
+    created_at: datetime
+    attempted_at: datetime | None
+    finished_at: datetime | None = None
+    result: Any = None
+
+    @property
+    def last_error(self) -> str | None:
+        """The message of the most recent failure, if any."""
+        if not self.errors:
+            return None
+        last = self.errors[-1]
+        return f"{last.get('type', 'Error')}: {last.get('message', '')}"
+
+
+@dataclass(frozen=True)
+class ClaimedJob:
+    """The part of a job row a worker needs to run it.
+
+    In lease mode ``attempts`` already counts this attempt (the claim increments it) and is
+    the fencing token; in transactional mode it counts earlier attempts only.
+    """
+
+    id: int
+    queue: str
+    task: str
+    args: JsonDict
+    priority: int
+    run_at: datetime
+    attempts: int
+    max_attempts: int
+    created_at: datetime

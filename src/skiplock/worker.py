@@ -1,0 +1,547 @@
+"""The worker process: producers claim, the executor runs, the completer writes.
+
+asyncio at the core. Async handlers run as tasks; sync handlers in a thread pool. One
+LISTEN connection wakes producers; a slow poll makes notifications an optimisation only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import signal
+import socket
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID, uuid4
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+from skiplock import executor
+from skiplock.app import App
+from skiplock.completer import Completer, Outcome
+from skiplock.config import notify_channel
+from skiplock.errors import ConfigurationError, SchemaNotReadyError
+from skiplock.migrate import pending_migrations
+from skiplock.notifier import Notifier
+from skiplock.producer import Producer, Slots
+from skiplock.retry import RetryPolicy
+from skiplock.sql import admin, claim, complete, maintenance, render
+from skiplock.tasks import MAX_QUEUE_NAME, check_name
+from skiplock.types import ClaimedJob
+
+log = logging.getLogger("skiplock.worker")
+
+STARTUP_RETRY = RetryPolicy(base=0.5, factor=2.0, cap=15.0, jitter=0.5)
+
+
+@dataclass
+class WorkerStats:
+    claimed: int = 0
+    lost_leases: int = 0
+    rescued: int = 0
+    transactional_completed: int = 0
+    per_task: dict[str, int] = field(default_factory=dict)
+
+
+class Worker:
+    """Runs jobs from ``queues`` with up to ``concurrency`` at a time in this process.
+
+    ``lease_seconds`` bounds how long a job stays claimed by a worker that stops
+    heartbeating; heartbeats extend it every third of that. ``poll_interval`` is the
+    fallback when no notification arrives.
+    """
+
+    def __init__(
+        self,
+        app: App,
+        *,
+        queues: Sequence[str] = ("default",),
+        concurrency: int = 10,
+        poll_interval: float = 1.0,
+        lease_seconds: float = 30.0,
+        shutdown_timeout: float = 30.0,
+        batch_max: int = 100,
+        transactional_batch: int = 10,
+        rescue_interval: float = 1.0,
+        completer_interval: float = 0.002,
+    ) -> None:
+        if not queues:
+            raise ConfigurationError("a worker needs at least one queue")
+        for queue in queues:
+            check_name("queue", queue, MAX_QUEUE_NAME)
+        if concurrency < 1:
+            raise ConfigurationError(f"concurrency must be >= 1, got {concurrency}")
+        if lease_seconds <= 0 or poll_interval <= 0:
+            raise ConfigurationError("lease_seconds and poll_interval must be positive")
+        self.app = app
+        self.queues = list(dict.fromkeys(queues))
+        self.concurrency = concurrency
+        self.poll_interval = poll_interval
+        self.lease_seconds = lease_seconds
+        self.shutdown_timeout = shutdown_timeout
+        self.batch_max = batch_max
+        self.transactional_batch = transactional_batch
+        self.rescue_interval = rescue_interval
+        self.completer_interval = completer_interval
+        self.id: UUID = uuid4()
+        self.stats = WorkerStats()
+        self.ready = asyncio.Event()
+        self.completer: Completer | None = None
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._rng = random.Random()
+        # Lease-mode jobs in flight: id -> (attempt, asyncio task running it).
+        self._leased: dict[int, tuple[int, asyncio.Task[None]]] = {}
+        self._sessions: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Run until SIGTERM or SIGINT, then shut down gracefully."""
+        asyncio.run(self.run_async(handle_signals=True))
+
+    def request_stop(self) -> None:
+        """Ask the worker to stop claiming and shut down; safe from any thread."""
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+
+    async def run_async(self, *, handle_signals: bool = False) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        if handle_signals:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._loop.add_signal_handler(signum, self._on_signal, signum)
+        await self._wait_for_database()
+        url = self.app.database_url
+        tx_async, tx_sync, leased_excluded = self._split_tasks()
+        needs_async_sessions = any(tx_async.values())
+        pool_size = 4 + len(self.queues) + (self.concurrency if needs_async_sessions else 0)
+        pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+            url,
+            min_size=2,
+            max_size=pool_size,
+            kwargs={"autocommit": True},
+            open=False,
+            name=f"skiplock-{self.id}",
+        )
+        sync_pool: ConnectionPool[Any] | None = None
+        if any(tx_sync.values()):
+            sync_pool = ConnectionPool(
+                url,
+                min_size=1,
+                max_size=self.concurrency,
+                kwargs={"autocommit": True},
+                open=False,
+            )
+            sync_pool.open()
+        await pool.open()
+        threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="skiplock-job")
+        slots = Slots(self.concurrency)
+        wake = {queue: asyncio.Event() for queue in self.queues}
+        self.completer = completer = Completer(
+            pool,
+            self.app.schema,
+            self.id,
+            interval=self.completer_interval,
+            max_batch=max(2 * self.concurrency, 100),
+        )
+        notifier = Notifier(url, notify_channel(self.app.schema), wake)
+        producers: list[Producer] = []
+        for queue in self.queues:
+            producers.append(
+                Producer(
+                    f"{queue}/lease",
+                    self._lease_fetch(pool, queue, leased_excluded, threads, slots),
+                    slots,
+                    wake[queue],
+                    batch_max=self.batch_max,
+                    poll_interval=self.poll_interval,
+                    backpressure=self._backpressure,
+                )
+            )
+            if tx_async[queue]:
+                producers.append(
+                    self._session_producer(
+                        queue,
+                        slots,
+                        wake[queue],
+                        self._async_session(pool, queue, tx_async[queue], slots),
+                    )
+                )
+            if tx_sync[queue] and sync_pool is not None:
+                producers.append(
+                    self._session_producer(
+                        queue,
+                        slots,
+                        wake[queue],
+                        self._sync_session(sync_pool, queue, tx_sync[queue], slots, threads),
+                    )
+                )
+        background = [
+            asyncio.create_task(notifier.run(), name="skiplock-notifier"),
+            asyncio.create_task(completer.run(), name="skiplock-completer"),
+            asyncio.create_task(self._maintain(pool, wake), name="skiplock-maintenance"),
+        ]
+        producer_tasks = [asyncio.create_task(p.run(), name=p.name) for p in producers]
+        try:
+            await self._register(pool)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(notifier.connected.wait(), 10)
+            self.ready.set()
+            log.info(
+                "worker %s started: queues=%s concurrency=%d",
+                self.id,
+                self.queues,
+                self.concurrency,
+            )
+            await self._stop.wait()
+            log.info("worker %s stopping: waiting for %d running jobs", self.id, slots.busy)
+        finally:
+            for task in producer_tasks:
+                task.cancel()
+            await asyncio.gather(*producer_tasks, return_exceptions=True)
+            await self._drain(completer)
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            with contextlib.suppress(psycopg.Error):
+                async with pool.connection() as conn:
+                    await conn.execute(
+                        render(maintenance.WORKER_DEREGISTER, self.app.schema), {"id": self.id}
+                    )
+            await pool.close()
+            if sync_pool is not None:
+                sync_pool.close()
+            threads.shutdown(wait=False, cancel_futures=True)
+            log.info("worker %s stopped", self.id)
+
+    def _on_signal(self, signum: int) -> None:
+        assert self._stop is not None
+        if self._stop.is_set():
+            log.warning("second %s: abandoning running jobs", signal.Signals(signum).name)
+            self.shutdown_timeout = 0
+            for _, task in self._leased.values():
+                task.cancel()
+            for session in self._sessions:
+                session.cancel()
+        self._stop.set()
+
+    async def _wait_for_database(self) -> None:
+        """Check the schema, retrying with back-off while the database is unreachable."""
+        failures = 0
+        while True:
+            try:
+                pending = await asyncio.to_thread(
+                    _pending_versions, self.app.database_url, self.app.schema
+                )
+                if pending:
+                    raise SchemaNotReadyError(
+                        f"schema {self.app.schema!r} is missing migrations {pending}; "
+                        "run `skiplock migrate` first"
+                    )
+                return
+            except psycopg.OperationalError as exc:
+                failures += 1
+                delay = STARTUP_RETRY.delay(failures, self._rng)
+                log.error(
+                    "cannot reach the database (%s); retrying in %.1fs", str(exc).strip(), delay
+                )
+                assert self._stop is not None
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), delay)
+                if self._stop.is_set():
+                    raise
+
+    def _split_tasks(
+        self,
+    ) -> tuple[dict[str, list[str]], dict[str, list[str]], list[str]]:
+        """Per queue, the transactional tasks (async and sync), and every transactional
+        task name, which lease-mode claims must leave alone."""
+        tx_async: dict[str, list[str]] = {q: [] for q in self.queues}
+        tx_sync: dict[str, list[str]] = {q: [] for q in self.queues}
+        transactional: list[str] = []
+        for task in self.app.tasks.values():
+            if not task.options.transactional:
+                continue
+            transactional.append(task.name)
+            if task.options.queue in tx_async:
+                (tx_async if task.is_async else tx_sync)[task.options.queue].append(task.name)
+        return tx_async, tx_sync, transactional
+
+    async def _backpressure(self) -> None:
+        """Stop claiming while the completer is far behind."""
+        completer = self.completer
+        while completer is not None and completer.backlog > 4 * self.concurrency:
+            await asyncio.sleep(0.001)
+
+    # -- lease mode --------------------------------------------------------------------
+
+    def _lease_fetch(
+        self,
+        pool: AsyncConnectionPool[Any],
+        queue: str,
+        excluded: list[str],
+        threads: ThreadPoolExecutor,
+        slots: Slots,
+    ) -> Any:
+        statement = render(claim.JOB_CLAIM_BATCH, self.app.schema)
+
+        async def fetch(limit: int) -> int:
+            async with pool.connection() as conn:
+                cur = await conn.execute(
+                    statement,
+                    {
+                        "queue": queue,
+                        "exclude_tasks": excluded,
+                        "limit": limit,
+                        "worker_id": self.id,
+                        "lease_seconds": self.lease_seconds,
+                    },
+                )
+                rows = await cur.fetchall()
+            slots.take(len(rows))
+            self.stats.claimed += len(rows)
+            for row in rows:
+                job = executor.claimed_from_row(row)
+                task = asyncio.create_task(self._run_leased(job, threads, slots))
+                self._leased[job.id] = (job.attempts, task)
+            return len(rows)
+
+        return fetch
+
+    async def _run_leased(self, job: ClaimedJob, threads: ThreadPoolExecutor, slots: Slots) -> None:
+        try:
+            outcome = await executor.run_leased(self.app, job, threads, rng=self._rng)
+            assert self.completer is not None
+            if self._leased.get(job.id, (None,))[0] == job.attempts:
+                self.completer.add(outcome)
+        finally:
+            entry = self._leased.get(job.id)
+            if entry is not None and entry[0] == job.attempts:
+                del self._leased[job.id]
+            slots.give(1)
+
+    # -- transactional mode ------------------------------------------------------------
+
+    def _session_producer(
+        self, queue: str, slots: Slots, wake: asyncio.Event, start: Any
+    ) -> Producer:
+        async def fetch(limit: int) -> int:
+            claimed: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            slots.take(1)
+            session = asyncio.create_task(start(claimed))
+            self._sessions.add(session)
+            session.add_done_callback(self._sessions.discard)
+            got = await claimed
+            # A full batch means more may be waiting: start another session at once.
+            return limit if got >= self.transactional_batch else 0
+
+        return Producer(
+            f"{queue}/transactional",
+            fetch,
+            slots,
+            wake,
+            batch_max=1,
+            poll_interval=self.poll_interval,
+            fetch_patience=0.0,
+        )
+
+    def _async_session(
+        self, pool: AsyncConnectionPool[Any], queue: str, tasks: list[str], slots: Slots
+    ) -> Any:
+        async def session(claimed: asyncio.Future[int]) -> None:
+            def on_claimed(n: int) -> None:
+                self.stats.claimed += n
+                claimed.set_result(n)
+
+            try:
+                async with pool.connection() as conn:
+                    done = await executor.run_transactional_async(
+                        self.app,
+                        conn,
+                        queue,
+                        tasks,
+                        self.transactional_batch,
+                        rng=self._rng,
+                        on_claimed=on_claimed,
+                    )
+                self.stats.transactional_completed += done
+            except BaseException as exc:
+                if not claimed.done():
+                    claimed.set_exception(exc)
+                elif not isinstance(exc, asyncio.CancelledError):
+                    log.exception("transactional session on %s failed; rolled back", queue)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+            finally:
+                slots.give(1)
+
+        return session
+
+    def _sync_session(
+        self,
+        pool: ConnectionPool[Any],
+        queue: str,
+        tasks: list[str],
+        slots: Slots,
+        threads: ThreadPoolExecutor,
+    ) -> Any:
+        loop = asyncio.get_running_loop()
+
+        def run_in_thread(claimed: asyncio.Future[int]) -> int:
+            def on_claimed(n: int) -> None:
+                self.stats.claimed += n
+                loop.call_soon_threadsafe(claimed.set_result, n)
+
+            with pool.connection() as conn:
+                return executor.run_transactional_sync(
+                    self.app,
+                    conn,
+                    queue,
+                    tasks,
+                    self.transactional_batch,
+                    rng=random.Random(),
+                    on_claimed=on_claimed,
+                )
+
+        async def session(claimed: asyncio.Future[int]) -> None:
+            try:
+                done = await loop.run_in_executor(threads, run_in_thread, claimed)
+                self.stats.transactional_completed += done
+            except Exception as exc:
+                if not claimed.done():
+                    claimed.set_exception(exc)
+                else:
+                    log.exception("transactional session on %s failed; rolled back", queue)
+            finally:
+                slots.give(1)
+
+        return session
+
+    # -- heartbeat, rescue, shutdown ---------------------------------------------------
+
+    async def _register(self, pool: AsyncConnectionPool[Any]) -> None:
+        async with pool.connection() as conn:
+            await conn.execute(
+                render(maintenance.WORKER_REGISTER, self.app.schema),
+                {
+                    "id": self.id,
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "queues": self.queues,
+                    "concurrency": self.concurrency,
+                },
+            )
+
+    async def _maintain(
+        self, pool: AsyncConnectionPool[Any], wake: dict[str, asyncio.Event]
+    ) -> None:
+        """Heartbeat leases every third of the lease; rescue expired leases (any worker's)."""
+        schema = self.app.schema
+        heartbeat_every = max(self.lease_seconds / 3, 0.05)
+        loop = asyncio.get_running_loop()
+        next_heartbeat = loop.time() + heartbeat_every
+        while True:
+            try:
+                now = loop.time()
+                if now >= next_heartbeat:
+                    next_heartbeat = now + heartbeat_every
+                    await self.heartbeat(pool)
+                async with pool.connection() as conn:
+                    cur = await conn.execute(render(maintenance.JOB_RESCUE_EXPIRED, schema))
+                    rescued = await cur.fetchall()
+                    for queue in {row[1] for row in rescued}:
+                        await conn.execute(
+                            render(admin.QUEUE_NOTIFY, schema),
+                            {"channel": notify_channel(schema), "queue": queue},
+                        )
+                if rescued:
+                    self.stats.rescued += len(rescued)
+                    log.warning("rescued %d jobs whose lease expired", len(rescued))
+                    for queue in {row[1] for row in rescued}:
+                        if queue in wake:
+                            wake[queue].set()
+            except psycopg.OperationalError as exc:
+                log.warning("maintenance failed (%s); will retry", exc)
+            await asyncio.sleep(min(self.rescue_interval, heartbeat_every))
+
+    async def heartbeat(self, pool: AsyncConnectionPool[Any]) -> None:
+        """Extend this worker's leases; stop jobs whose lease was lost."""
+        async with pool.connection() as conn:
+            await conn.execute(render(maintenance.WORKER_TOUCH, self.app.schema), {"id": self.id})
+            if not self._leased:
+                return
+            held = dict(self._leased)
+            cur = await conn.execute(
+                render(complete.JOB_EXTEND_LEASES, self.app.schema),
+                {
+                    "ids": list(held),
+                    "attempts": [attempt for attempt, _ in held.values()],
+                    "worker_id": self.id,
+                    "lease_seconds": self.lease_seconds,
+                },
+            )
+            kept = {row[0] for row in await cur.fetchall()}
+        for job_id, (attempt, task) in held.items():
+            if job_id in kept or self._leased.get(job_id, (None,))[0] != attempt:
+                continue
+            # Lost between heartbeats, or finished and already flushed: only the former
+            # is still in self._leased with no outcome pending.
+            if task.done():
+                continue
+            self.stats.lost_leases += 1
+            log.warning("lost the lease of job %s attempt %s; cancelling it", job_id, attempt)
+            del self._leased[job_id]
+            task.cancel()
+
+    async def _drain(self, completer: Completer) -> None:
+        """Let running jobs finish (up to the shutdown timeout), then write every outcome.
+
+        Jobs still running at the timeout are released: back to the queue at once, the
+        attempt counted, with a WorkerShutdown error recorded.
+        """
+        running = [task for _, task in self._leased.values()] + list(self._sessions)
+        if running:
+            _, still = await asyncio.wait(running, timeout=self.shutdown_timeout or None)
+            if self.shutdown_timeout == 0:
+                still = set(running)
+            for job_id, (attempt, task) in list(self._leased.items()):
+                if task in still:
+                    completer.add(
+                        Outcome(
+                            job_id,
+                            attempt,
+                            error={
+                                "attempt": attempt,
+                                "type": "WorkerShutdown",
+                                "message": "worker stopped before the job finished",
+                                "traceback": None,
+                                "at": executor.utcnow().isoformat(),
+                            },
+                            dead=False,
+                            delay=0.0,
+                        )
+                    )
+                    del self._leased[job_id]
+                    task.cancel()
+            for session in self._sessions:
+                session.cancel()
+        for _ in range(50):
+            if completer.backlog == 0:
+                break
+            try:
+                await completer.flush()
+            except psycopg.OperationalError as exc:
+                log.warning("final flush failed (%s); retrying", exc)
+                await asyncio.sleep(0.2)
+
+
+def _pending_versions(url: str, schema: str) -> list[int]:
+    with psycopg.connect(url, autocommit=True, connect_timeout=10) as conn:
+        return [m.version for m in pending_migrations(conn, schema)]
