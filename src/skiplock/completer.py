@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
@@ -57,11 +58,13 @@ class Completer:
         *,
         interval: float = 0.002,
         max_batch: int = 2000,
+        on_retry_written: Callable[[], None] = lambda: None,
     ) -> None:
         self._pool = pool
         self._worker_id = worker_id
         self._interval = interval
         self._max_batch = max_batch
+        self._on_retry_written = on_retry_written
         self._complete_sql = render(complete.JOB_COMPLETE_MANY_IF_LEASED, schema)
         self._fail_sql = render(complete.JOB_FAIL_MANY_IF_LEASED, schema)
         self._pending: list[Outcome] = []
@@ -139,6 +142,8 @@ class Completer:
                 written.update(r[0] for r in await cur.fetchall())
         del self._pending[: len(batch)]
         self.stats.flushes += 1
+        if any(o.delay > 0 and not o.dead for o in failed):
+            self._on_retry_written()
         for outcome in batch:
             if outcome.job_id not in written:
                 self.stats.refused += 1

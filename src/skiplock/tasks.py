@@ -47,7 +47,10 @@ def check_name(kind: str, value: object, max_length: int) -> str:
 
 @dataclass(frozen=True)
 class TaskOptions:
-    """Per-task defaults; each can be overridden per call where it makes sense."""
+    """Per-task defaults; each can be overridden per call where it makes sense.
+
+    Lower ``priority`` values run first (0 is the default; use negative for urgent work).
+    """
 
     queue: str = "default"
     priority: int = 0

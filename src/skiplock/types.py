@@ -12,10 +12,12 @@ from uuid import UUID
 class JobState(str, enum.Enum):
     """One vocabulary for SQL, Python, CLI and docs.
 
-    ``available`` with a future ``run_at`` is what operators call scheduled.
-    ``completed`` and ``cancelled`` live in the history table; the rest in the hot table.
+    ``scheduled`` and ``retryable`` jobs wait for their ``run_at``; the promoter then makes
+    them ``available``. ``completed`` and ``cancelled`` live in the history table; the rest
+    in the hot table.
     """
 
+    SCHEDULED = "scheduled"
     AVAILABLE = "available"
     RUNNING = "running"
     RETRYABLE = "retryable"

@@ -144,12 +144,14 @@ class Worker:
         threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="skiplock-job")
         slots = Slots(self.concurrency)
         wake = {queue: asyncio.Event() for queue in self.queues}
+        promote_wake = asyncio.Event()
         self.completer = completer = Completer(
             pool,
             self.app.schema,
             self.id,
             interval=self.completer_interval,
             max_batch=max(2 * self.concurrency, 100),
+            on_retry_written=promote_wake.set,
         )
         notifier = Notifier(url, notify_channel(self.app.schema), wake)
         producers: list[Producer] = []
@@ -187,6 +189,7 @@ class Worker:
             asyncio.create_task(notifier.run(), name="skiplock-notifier"),
             asyncio.create_task(completer.run(), name="skiplock-completer"),
             asyncio.create_task(self._maintain(pool, wake), name="skiplock-maintenance"),
+            asyncio.create_task(self._promote(pool, promote_wake), name="skiplock-promoter"),
         ]
         producer_tasks = [asyncio.create_task(p.run(), name=p.name) for p in producers]
         try:
@@ -470,6 +473,32 @@ class Worker:
             except psycopg.OperationalError as exc:
                 log.warning("maintenance failed (%s); will retry", exc)
             await asyncio.sleep(min(self.rescue_interval, heartbeat_every))
+
+    async def _promote(self, pool: AsyncConnectionPool[Any], wake: asyncio.Event) -> None:
+        """Make scheduled and retryable jobs available when due, sleeping until the next
+        one comes due (at most a poll interval) or until this worker writes a retry."""
+        schema = self.app.schema
+        promote = render(maintenance.JOB_PROMOTE_DUE, schema)
+        next_due = render(maintenance.JOB_NEXT_DUE, schema)
+        channel = notify_channel(schema)
+        while True:
+            sleep_for = self.poll_interval
+            try:
+                wake.clear()
+                async with pool.connection() as conn:
+                    while True:
+                        cur = await conn.execute(promote, {"limit": 1000, "channel": channel})
+                        promoted = sum(int(row[1]) for row in await cur.fetchall())
+                        if promoted < 1000:
+                            break
+                    cur = await conn.execute(next_due)
+                    row = await cur.fetchone()
+                if row is not None and row[0] is not None:
+                    sleep_for = min(max(float(row[0]), 0.001), self.poll_interval)
+            except psycopg.OperationalError as exc:
+                log.warning("promoting due jobs failed (%s); will retry", exc)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(wake.wait(), sleep_for)
 
     async def heartbeat(self, pool: AsyncConnectionPool[Any]) -> None:
         """Extend this worker's leases; stop jobs whose lease was lost."""

@@ -2,8 +2,9 @@
 -- Runs with search_path set to the target schema, so names are unqualified here.
 
 -- Live jobs only. Finished jobs (completed, cancelled) move to job_history, so this table
--- stays small however much history accumulates. "scheduled" is not a state: it is an
--- available job whose run_at is still in the future.
+-- stays small however much history accumulates. Jobs waiting for a future run_at are
+-- 'scheduled' (or 'retryable' after a failure) and are promoted to 'available' when due,
+-- so the claim index holds only jobs that can run now.
 CREATE TABLE jobs (
     id               bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     queue            text        NOT NULL DEFAULT 'default',
@@ -25,7 +26,7 @@ CREATE TABLE jobs (
     created_at       timestamptz NOT NULL DEFAULT now(),
     attempted_at     timestamptz,
     CONSTRAINT jobs_state_valid
-        CHECK (state IN ('available', 'running', 'retryable', 'dead')),
+        CHECK (state IN ('scheduled', 'available', 'running', 'retryable', 'dead')),
     CONSTRAINT jobs_queue_valid CHECK (char_length(queue) BETWEEN 1 AND 128),
     CONSTRAINT jobs_task_valid CHECK (char_length(task) BETWEEN 1 AND 255),
     CONSTRAINT jobs_args_object CHECK (jsonb_typeof(args) = 'object'),
@@ -45,9 +46,13 @@ CREATE TABLE jobs (
     autovacuum_vacuum_cost_delay = 0
 );
 
--- The claim reads this index in exactly its ORDER BY (a test checks the plan).
-CREATE INDEX jobs_claim ON jobs (queue, priority DESC, run_at, id)
-    WHERE state IN ('available', 'retryable');
+-- The claim reads this index in exactly its ORDER BY (a test checks the plan). Lower
+-- priority values run first; every column ascends, so a claim can resume from a position
+-- with a row comparison instead of walking entries that earlier claims consumed.
+CREATE INDEX jobs_claim ON jobs (queue, priority, run_at, id) WHERE state = 'available';
+
+-- The promoter finds jobs coming due; it holds only jobs waiting for their run_at.
+CREATE INDEX jobs_waiting ON jobs (run_at) WHERE state IN ('scheduled', 'retryable');
 
 -- The rescuer looks for running jobs by owner; heartbeats do not touch it.
 CREATE INDEX jobs_running ON jobs (worker_id) WHERE state = 'running';

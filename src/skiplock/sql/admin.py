@@ -30,7 +30,7 @@ JOB_RETRY = """
 UPDATE {jobs}
 SET state = 'available', run_at = now(), attempts = 0, worker_id = NULL,
     lease_expires_at = NULL
-WHERE id = %(id)s AND state IN ('dead', 'retryable', 'available')
+WHERE id = %(id)s AND state IN ('dead', 'retryable', 'scheduled', 'available')
 RETURNING id
 """
 
@@ -42,7 +42,7 @@ SELECT pg_notify(%(channel)s, %(queue)s)
 JOB_CANCEL_WAITING = """
 WITH gone AS (
     DELETE FROM {jobs}
-    WHERE id = %(id)s AND state IN ('available', 'retryable', 'dead')
+    WHERE id = %(id)s AND state IN ('scheduled', 'available', 'retryable', 'dead')
     RETURNING *
 )
 INSERT INTO {history} (id, queue, task, args, state, priority, attempts, max_attempts, errors,
@@ -53,16 +53,18 @@ FROM gone
 RETURNING id
 """
 
-# Monitoring figures per queue; "scheduled" is available with a future run_at.
+# Monitoring figures per queue. The oldest ready age counts from when the job became due,
+# including due jobs the promoter has not moved yet.
 QUEUE_STATS = """
 SELECT queue,
-       count(*) FILTER (WHERE state = 'available' AND run_at <= now()) AS available,
-       count(*) FILTER (WHERE state = 'available' AND run_at > now()) AS scheduled,
+       count(*) FILTER (WHERE state = 'available') AS available,
+       count(*) FILTER (WHERE state = 'scheduled') AS scheduled,
        count(*) FILTER (WHERE state = 'running') AS running,
        count(*) FILTER (WHERE state = 'retryable') AS retryable,
        count(*) FILTER (WHERE state = 'dead') AS dead,
        extract(epoch FROM now() - min(run_at) FILTER (
-           WHERE state IN ('available', 'retryable') AND run_at <= now())) AS oldest_ready_seconds
+           WHERE state IN ('available', 'scheduled', 'retryable') AND run_at <= now()))
+           AS oldest_ready_seconds
 FROM {jobs}
 GROUP BY queue
 ORDER BY queue

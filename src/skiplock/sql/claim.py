@@ -4,16 +4,17 @@
 # them running in the same statement; the caller commits at once. The CTE is what makes
 # LIMIT bind: a bare UPDATE ... WHERE id IN (SELECT ... LIMIT) may be planned to update
 # more rows than the limit. The inner ORDER BY matches the jobs_claim index exactly.
+# run_at <= now() guards rows inserted by hand as 'available' with a future run_at.
 # attempts + 1 becomes this attempt's fencing token.
 JOB_CLAIM_BATCH = """
 WITH picked AS (
     SELECT id
     FROM {jobs}
     WHERE queue = %(queue)s
-      AND state IN ('available', 'retryable')
+      AND state = 'available'
       AND run_at <= now()
       AND task <> ALL(%(exclude_tasks)s::text[])
-    ORDER BY priority DESC, run_at, id
+    ORDER BY priority, run_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
@@ -36,10 +37,10 @@ JOB_LOCK_BATCH = """
 SELECT id, queue, task, args, priority, run_at, attempts, max_attempts, created_at
 FROM {jobs}
 WHERE queue = %(queue)s
-  AND state IN ('available', 'retryable')
+  AND state = 'available'
   AND run_at <= now()
   AND task = ANY(%(tasks)s::text[])
-ORDER BY priority DESC, run_at, id
+ORDER BY priority, run_at, id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
 """

@@ -31,11 +31,13 @@ RETURNING id
 """
 )
 
-# A failed attempt: back to retryable at run_at (now + delay), or dead. The lease is
+# A failed attempt: retryable until run_at (now + delay; available at once when there is
+# no delay), or dead. The lease is
 # dropped either way; the error is appended so every attempt's failure is kept.
 JOB_FAIL_MANY_IF_LEASED = """
 UPDATE {jobs} AS j
-SET state = CASE WHEN o.dead THEN 'dead' ELSE 'retryable' END,
+SET state = CASE WHEN o.dead THEN 'dead' WHEN o.delay > 0 THEN 'retryable'
+                 ELSE 'available' END,
     run_at = now() + o.delay * interval '1 second',
     errors = j.errors || jsonb_build_array(o.error::jsonb),
     worker_id = NULL,
@@ -68,7 +70,7 @@ JOB_COMPLETE_LOCKED = (
     """
 WITH done AS (
     DELETE FROM {jobs}
-    WHERE id = %(id)s AND state IN ('available', 'retryable')
+    WHERE id = %(id)s AND state = 'available'
     RETURNING *
 )
 INSERT INTO {history} ("""
@@ -83,11 +85,12 @@ RETURNING id
 
 JOB_FAIL_LOCKED = """
 UPDATE {jobs}
-SET state = CASE WHEN %(dead)s THEN 'dead' ELSE 'retryable' END,
+SET state = CASE WHEN %(dead)s THEN 'dead' WHEN %(delay)s > 0 THEN 'retryable'
+                 ELSE 'available' END,
     attempts = attempts + 1,
     attempted_at = now(),
     run_at = now() + %(delay)s * interval '1 second',
     errors = errors || jsonb_build_array(%(error)s::jsonb)
-WHERE id = %(id)s AND state IN ('available', 'retryable')
+WHERE id = %(id)s AND state = 'available'
 RETURNING id
 """

@@ -18,6 +18,36 @@ WHERE state = 'running' AND lease_expires_at < now()
 RETURNING id, queue
 """
 
+# Scheduled and retryable jobs whose time has come join the claim index. SKIP LOCKED lets
+# several promoters run at once without waiting on each other; each queue that received
+# jobs is woken in the same statement.
+JOB_PROMOTE_DUE = """
+WITH due AS (
+    SELECT id
+    FROM {jobs}
+    WHERE state IN ('scheduled', 'retryable') AND run_at <= now()
+    ORDER BY run_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), promoted AS (
+    UPDATE {jobs} AS j
+    SET state = 'available'
+    FROM due
+    WHERE j.id = due.id
+    RETURNING j.queue
+)
+SELECT queue, count(*), pg_notify(%(channel)s, queue)
+FROM promoted
+GROUP BY queue
+"""
+
+# Seconds until the next waiting job comes due (on the database's clock), so the
+# promoter can sleep exactly until then. NULL when nothing waits.
+JOB_NEXT_DUE = """
+SELECT extract(epoch FROM min(run_at) - now())::float8
+FROM {jobs} WHERE state IN ('scheduled', 'retryable')
+"""
+
 WORKER_REGISTER = """
 INSERT INTO {workers} (id, host, pid, queues, concurrency)
 VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(concurrency)s)
