@@ -88,6 +88,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         poll_interval=args.poll_interval,
         lease_seconds=args.lease,
         shutdown_timeout=args.shutdown_timeout,
+        liveness_lock=not args.no_liveness_lock,
     )
     worker.run()
     return 0
@@ -113,6 +114,8 @@ def _supervise(args: argparse.Namespace) -> int:
         "--shutdown-timeout",
         str(args.shutdown_timeout),
     ]
+    if args.no_liveness_lock:
+        command.append("--no-liveness-lock")
     children = [subprocess.Popen(command) for _ in range(args.processes)]
     stopping = False
 
@@ -224,6 +227,30 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+SCENARIOS = ("enqueue", "drain", "ceiling", "latency", "seed", "history", "scheduled")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from skiplock import bench  # noqa: PLC0415
+
+    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    for name in scenarios:
+        if name not in SCENARIOS:
+            raise ConfigurationError(
+                f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}"
+            )
+    return bench.run(
+        scenarios,
+        database_url=args.database_url,
+        jobs=args.jobs,
+        processes=args.processes,
+        concurrency=args.concurrency,
+        runs=args.runs,
+        history_rows=args.history_rows,
+        as_json=args.json,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="skiplock", description="A PostgreSQL job queue for Python."
@@ -255,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease", type=float, default=30.0, help="lease seconds (default 30)")
     p.add_argument("--poll-interval", type=float, default=1.0, help="fallback poll seconds")
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    p.add_argument(
+        "--no-liveness-lock",
+        action="store_true",
+        help="behind a transaction-mode pooler (PgBouncer): rescue by lease expiry only",
+    )
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("jobs", help="list, show, retry or cancel jobs")
@@ -273,6 +305,20 @@ def build_parser() -> argparse.ArgumentParser:
         q = jobs.add_parser(name, help=text)
         q.add_argument("id", type=int)
     p.set_defaults(func=cmd_jobs)
+
+    p = sub.add_parser("bench", help="measure throughput and latency (medians of --runs)")
+    p.add_argument(
+        "--scenarios",
+        default="enqueue,drain,ceiling,latency,seed,history,scheduled",
+        help="comma-separated, from: " + ", ".join(SCENARIOS),
+    )
+    p.add_argument("--jobs", type=int, default=100_000)
+    p.add_argument("--processes", type=int, default=2, help="worker processes")
+    p.add_argument("--concurrency", type=int, default=200, help="per worker process")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--history-rows", type=int, default=1_000_000)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("status", help="depth, oldest ready age, running and dead per queue")
     p.add_argument("--json", action="store_true")

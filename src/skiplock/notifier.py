@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -30,7 +31,7 @@ class Notifier:
         channel: str,
         wake: Mapping[str, asyncio.Event],
         *,
-        setup: str | None = None,
+        setup: tuple[str, dict[str, Any]] | None = None,
     ) -> None:
         self._url = database_url
         self._channel = channel
@@ -51,8 +52,10 @@ class Notifier:
                     self._url, autocommit=True
                 ) as conn:
                     await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
-                    if self._setup:
-                        await conn.execute(self._setup.encode())
+                    if self._setup is not None:
+                        # e.g. the worker's liveness lock: held exactly as long as this
+                        # connection lives, so it must be taken on it after each reconnect.
+                        await conn.execute(*self._setup)
                     failures = 0
                     self.connected.set()
                     # Anything sent while we were away was lost: poll every queue now.

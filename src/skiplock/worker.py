@@ -70,6 +70,7 @@ class Worker:
         transactional_batch: int = 10,
         rescue_interval: float = 1.0,
         completer_interval: float = 0.002,
+        liveness_lock: bool = True,
     ) -> None:
         if not queues:
             raise ConfigurationError("a worker needs at least one queue")
@@ -89,10 +90,12 @@ class Worker:
         self.transactional_batch = transactional_batch
         self.rescue_interval = rescue_interval
         self.completer_interval = completer_interval
+        self.liveness_lock = liveness_lock
         self.id: UUID = uuid4()
         self.stats = WorkerStats()
         self.ready = asyncio.Event()
         self.completer: Completer | None = None
+        self._notifier: Notifier | None = None
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._rng = random.Random()
@@ -153,7 +156,12 @@ class Worker:
             max_batch=max(2 * self.concurrency, 100),
             on_retry_written=promote_wake.set,
         )
-        notifier = Notifier(url, notify_channel(self.app.schema), wake)
+        setup = None
+        if self.liveness_lock:
+            setup = (render(maintenance.WORKER_LOCK, self.app.schema), {"id": self.id})
+        self._notifier = notifier = Notifier(
+            url, notify_channel(self.app.schema), wake, setup=setup
+        )
         producers: list[Producer] = []
         for queue in self.queues:
             producers.append(
@@ -191,11 +199,13 @@ class Worker:
             asyncio.create_task(self._maintain(pool, wake), name="skiplock-maintenance"),
             asyncio.create_task(self._promote(pool, promote_wake), name="skiplock-promoter"),
         ]
-        producer_tasks = [asyncio.create_task(p.run(), name=p.name) for p in producers]
+        producer_tasks: list[asyncio.Task[None]] = []
         try:
             await self._register(pool)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(notifier.connected.wait(), 10)
+            # Claim nothing before the liveness lock is held: until then a rescuer would
+            # take this worker for dead and hand its jobs to someone else.
+            await self._until_stopped(notifier.connected.wait())
+            producer_tasks += [asyncio.create_task(p.run(), name=p.name) for p in producers]
             self.ready.set()
             log.info(
                 "worker %s started: queues=%s concurrency=%d",
@@ -277,8 +287,21 @@ class Worker:
                 (tx_async if task.is_async else tx_sync)[task.options.queue].append(task.name)
         return tx_async, tx_sync, transactional
 
+    async def _until_stopped(self, awaitable: Any) -> None:
+        """Await ``awaitable`` unless the worker is asked to stop first."""
+        assert self._stop is not None
+        waiter = asyncio.ensure_future(awaitable)
+        stopper = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        for future in (waiter, stopper):
+            future.cancel()
+
     async def _backpressure(self) -> None:
-        """Stop claiming while the completer is far behind."""
+        """Stop claiming while the completer is far behind, or while the listener (and
+        with it the liveness lock) is reconnecting."""
+        notifier = self._notifier
+        if self.liveness_lock and notifier is not None and not notifier.connected.is_set():
+            await notifier.connected.wait()
         completer = self.completer
         while completer is not None and completer.backlog > 4 * self.concurrency:
             await asyncio.sleep(0.001)
@@ -439,13 +462,15 @@ class Worker:
                     "pid": os.getpid(),
                     "queues": self.queues,
                     "concurrency": self.concurrency,
+                    "holds_lock": self.liveness_lock,
                 },
             )
 
     async def _maintain(
         self, pool: AsyncConnectionPool[Any], wake: dict[str, asyncio.Event]
     ) -> None:
-        """Heartbeat leases every third of the lease; rescue expired leases (any worker's)."""
+        """Heartbeat leases every third of the lease; rescue the jobs of dead workers (by
+        liveness lock) and of expired leases, whoever's they are."""
         schema = self.app.schema
         heartbeat_every = max(self.lease_seconds / 3, 0.05)
         loop = asyncio.get_running_loop()
@@ -457,8 +482,13 @@ class Worker:
                     next_heartbeat = now + heartbeat_every
                     await self.heartbeat(pool)
                 async with pool.connection() as conn:
-                    cur = await conn.execute(render(maintenance.JOB_RESCUE_EXPIRED, schema))
-                    rescued = await cur.fetchall()
+                    rescued = []
+                    for statement in (
+                        maintenance.JOB_RESCUE_ORPHANED,
+                        maintenance.JOB_RESCUE_EXPIRED,
+                    ):
+                        cur = await conn.execute(render(statement, schema))
+                        rescued += await cur.fetchall()
                     for queue in {row[1] for row in rescued}:
                         await conn.execute(
                             render(admin.QUEUE_NOTIFY, schema),
@@ -466,7 +496,7 @@ class Worker:
                         )
                 if rescued:
                     self.stats.rescued += len(rescued)
-                    log.warning("rescued %d jobs whose lease expired", len(rescued))
+                    log.warning("rescued %d jobs of dead workers or expired leases", len(rescued))
                     for queue in {row[1] for row in rescued}:
                         if queue in wake:
                             wake[queue].set()

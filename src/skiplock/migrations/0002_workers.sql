@@ -6,6 +6,8 @@ CREATE TABLE workers (
     pid          integer     NOT NULL,
     queues       text[]      NOT NULL,
     concurrency  integer     NOT NULL,
+    -- false behind a transaction-mode pooler: no advisory lock, rescued by lease only.
+    holds_lock   boolean     NOT NULL DEFAULT true,
     started_at   timestamptz NOT NULL DEFAULT now(),
     last_seen_at timestamptz NOT NULL DEFAULT now()
 );

@@ -1,0 +1,422 @@
+"""``skiplock bench``: throughput and latency scenarios, each the median of several runs.
+
+Workers run as real ``skiplock worker`` processes over this module's ``app``; the figures
+are taken from the database (commit times, ``finished_at``) so that polling by the bench
+itself does not blur them. Every scenario runs in its own schema, dropped afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from skiplock.app import App
+from skiplock.config import SCHEMA_ENV, resolve_database_url
+from skiplock.sql import claim, complete, render
+
+BENCH_SCHEMA = "skiplock_bench"
+
+# The app the worker processes run: no-op and probe handlers.
+app = App(schema=os.environ.get(SCHEMA_ENV, BENCH_SCHEMA))
+
+
+@app.task(name="bench.noop")
+async def noop() -> None:
+    return None
+
+
+@app.task(name="bench.probe")
+async def probe() -> float:
+    """Returns when it started, so latency is computed from the stored result."""
+    return time.time()
+
+
+@dataclass
+class Figure:
+    """One scenario's result over several runs."""
+
+    name: str
+    unit: str
+    runs: list[float] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.runs)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "unit": self.unit,
+            "median": round(self.median, 3),
+            "min": round(min(self.runs), 3),
+            "max": round(max(self.runs), 3),
+            "runs": [round(r, 3) for r in self.runs],
+            **self.extra,
+        }
+
+    def line(self) -> str:
+        text = (
+            f"{self.name:<28} {self.median:>12,.1f} {self.unit:<8} "
+            f"(min {min(self.runs):,.1f}, max {max(self.runs):,.1f}, runs {len(self.runs)})"
+        )
+        if self.extra:
+            text += "  " + ", ".join(f"{k}={v}" for k, v in self.extra.items())
+        return text
+
+
+@contextmanager
+def fresh_schema(url: str, schema: str) -> Iterator[App]:
+    bench_app = App(url, schema=schema)
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+    bench_app.migrate()
+    try:
+        yield bench_app
+    finally:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+def copy_jobs(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    task: str,
+    count: int,
+    *,
+    state: str = "available",
+    run_at: str = "now()",
+) -> None:
+    """Insert ``count`` argument-less jobs in one statement (setup, not measured)."""
+    conn.execute(
+        sql.SQL(
+            "INSERT INTO {} (task, args, state, run_at) "
+            "SELECT %s, '{{}}'::jsonb, %s, " + run_at + " FROM generate_series(1, %s)"
+        ).format(sql.Identifier(schema, "jobs")),
+        (task, state, count),
+    )
+
+
+@contextmanager
+def worker_processes(
+    url: str, schema: str, processes: int, concurrency: int
+) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Start ``processes`` worker processes and wait until each has registered."""
+    env = {**os.environ, "SKIPLOCK_DATABASE_URL": url, SCHEMA_ENV: schema}
+    command = [
+        sys.executable,
+        "-m",
+        "skiplock",
+        "--schema",
+        schema,
+        "--database-url",
+        url,
+        "worker",
+        "skiplock.bench:app",
+        "--concurrency",
+        str(concurrency),
+        "--poll-interval",
+        "0.5",
+    ]
+    children = [
+        subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(processes)
+    ]
+    try:
+        with psycopg.connect(url, autocommit=True) as conn:
+            deadline = time.monotonic() + 60
+            query = sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "workers"))
+            while True:
+                row = conn.execute(query).fetchone()
+                if row is not None and row[0] >= processes:
+                    break
+                if time.monotonic() > deadline or any(c.poll() is not None for c in children):
+                    raise RuntimeError("bench worker processes did not start")
+                time.sleep(0.05)
+        yield children
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        for child in children:
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+def _wait_drained(conn: psycopg.Connection[Any], schema: str, timeout: float) -> None:
+    query = sql.SQL("SELECT EXISTS (SELECT 1 FROM {} WHERE state <> 'dead')").format(
+        sql.Identifier(schema, "jobs")
+    )
+    deadline = time.monotonic() + timeout
+    while True:
+        row = conn.execute(query).fetchone()
+        if row is not None and not row[0]:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"jobs did not drain within {timeout}s")
+        time.sleep(0.02)
+
+
+def _drain_seconds(conn: psycopg.Connection[Any], schema: str, started: Any) -> float:
+    row = conn.execute(
+        sql.SQL("SELECT extract(epoch FROM max(finished_at) - %s)::float8 FROM {}").format(
+            sql.Identifier(schema, "job_history")
+        ),
+        (started,),
+    ).fetchone()
+    assert row is not None and row[0] is not None
+    return float(row[0])
+
+
+def drain_once(
+    url: str,
+    schema: str,
+    jobs: int,
+    processes: int,
+    concurrency: int,
+    setup: Callable[[psycopg.Connection[Any]], None] | None = None,
+) -> float:
+    """Jobs per second for ``jobs`` no-op jobs committed at once, workers already idle."""
+    with fresh_schema(url, schema), psycopg.connect(url, autocommit=True) as conn:
+        if setup is not None:
+            setup(conn)
+            conn.execute(sql.SQL("VACUUM ANALYZE {}").format(sql.Identifier(schema, "jobs")))
+        with worker_processes(url, schema, processes, concurrency):
+            with conn.transaction():
+                copy_jobs(conn, schema, "bench.noop", jobs)
+            started = conn.execute("SELECT now()").fetchone()
+            assert started is not None
+            # now() above is after the commit: a slight underestimate of the drain time is
+            # impossible, the commit is earlier still.
+            _wait_drained(conn, schema, timeout=600)
+            return jobs / _drain_seconds(conn, schema, started[0])
+
+
+def enqueue_once(url: str, schema: str, jobs: int) -> float:
+    """Jobs per second through ``App.enqueue_many``, building the jobs included."""
+    with fresh_schema(url, schema) as bench_app, psycopg.connect(url) as conn:
+        task = bench_app.tasks.get("bench.noop") or bench_app.task(name="bench.noop")(noop.fn)
+        started = time.perf_counter()
+        bench_app.enqueue_many(conn, [task.job() for _ in range(jobs)])
+        conn.commit()
+        return jobs / (time.perf_counter() - started)
+
+
+def _ceiling_process(url: str, schema: str, batch: int, start: Any, result: Any) -> None:
+    worker_id = uuid.uuid4()
+    claim_sql = render(claim.JOB_CLAIM_BATCH, schema)
+    complete_sql = render(complete.JOB_COMPLETE_MANY_IF_LEASED, schema)
+    done = 0
+    with psycopg.connect(url, autocommit=True) as conn:
+        start.wait()
+        while True:
+            rows = conn.execute(
+                claim_sql,
+                {
+                    "queue": "default",
+                    "exclude_tasks": [],
+                    "limit": batch,
+                    "worker_id": worker_id,
+                    "lease_seconds": 30,
+                },
+            ).fetchall()
+            if not rows:
+                break
+            conn.execute(
+                complete_sql,
+                {
+                    "ids": [r[0] for r in rows],
+                    "attempts": [r[6] for r in rows],
+                    "results": [None] * len(rows),
+                    "worker_id": worker_id,
+                },
+            )
+            done += len(rows)
+    result.put(done)
+
+
+def ceiling_once(url: str, schema: str, jobs: int, batch: int) -> float:
+    """The same claim and complete SQL in tight loops: the database's own limit here."""
+    with fresh_schema(url, schema), psycopg.connect(url, autocommit=True) as conn:
+        copy_jobs(conn, schema, "bench.noop", jobs)
+        conn.execute(sql.SQL("VACUUM ANALYZE {}").format(sql.Identifier(schema, "jobs")))
+        context = multiprocessing.get_context("spawn")
+        results = context.Queue()
+        clients = 4  # as pgbench was run for the design's reference figures
+        start = context.Barrier(clients + 1)
+        children = [
+            context.Process(target=_ceiling_process, args=(url, schema, batch, start, results))
+            for _ in range(clients)
+        ]
+        for child in children:
+            child.start()
+        start.wait()  # every client connected: time the work, not process start-up
+        started = time.perf_counter()
+        total = sum(results.get(timeout=600) for _ in children)
+        elapsed = time.perf_counter() - started
+        for child in children:
+            child.join()
+        assert total == jobs, (total, jobs)
+        return jobs / elapsed
+
+
+def latency_once(url: str, schema: str, samples: int, gap: float) -> dict[str, float]:
+    """Commit-to-handler-start latency for single jobs enqueued to idle workers."""
+    with fresh_schema(url, schema) as bench_app, worker_processes(url, schema, 1, 10):
+        task = bench_app.task(name="bench.probe")(probe.fn)
+        committed: dict[int, float] = {}
+        with psycopg.connect(url) as conn:
+            for _ in range(samples):
+                job_id = task.enqueue(conn)
+                conn.commit()
+                committed[job_id] = time.time()
+                time.sleep(gap)
+            _wait_drained(conn, schema, timeout=60)
+            rows = conn.execute(
+                sql.SQL("SELECT id, result FROM {}").format(sql.Identifier(schema, "job_history"))
+            ).fetchall()
+        waits = sorted((float(r[1]) - committed[r[0]]) * 1000 for r in rows)
+        return {
+            "p50": statistics.median(waits),
+            "p95": waits[int(len(waits) * 0.95) - 1],
+            "p99": waits[int(len(waits) * 0.99) - 1],
+        }
+
+
+def seed_once(url: str) -> float:
+    """The lesson's 400-job scenario, via ``skiplock demo --json``."""
+    out = subprocess.run(
+        [sys.executable, "-m", "skiplock", "--database-url", url, "demo", "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return float(json.loads(out)["drain_seconds"])
+
+
+def history_setup(kind: str, rows: int) -> Callable[[psycopg.Connection[Any]], None]:
+    def setup(conn: psycopg.Connection[Any]) -> None:
+        schema = BENCH_SCHEMA
+        if kind == "finished":
+            conn.execute(
+                sql.SQL(
+                    "INSERT INTO {} (id, queue, task, args, state, priority, attempts, "
+                    "max_attempts, errors, created_at, attempted_at, finished_at) "
+                    "SELECT -g, 'default', 'bench.noop', '{{}}', 'completed', 0, 1, 3, '[]', "
+                    "now() - interval '1 day', now() - interval '1 day', "
+                    "now() - interval '1 day' FROM generate_series(1, %s) AS g"
+                ).format(sql.Identifier(schema, "job_history")),
+                (rows,),
+            )
+            conn.execute(sql.SQL("VACUUM ANALYZE {}").format(sql.Identifier(schema, "job_history")))
+        else:
+            copy_jobs(
+                conn,
+                schema,
+                "bench.noop",
+                rows,
+                state="scheduled",
+                run_at="now() + interval '1 day'",
+            )
+
+    return setup
+
+
+def run(
+    scenarios: Sequence[str],
+    *,
+    database_url: str | None,
+    jobs: int,
+    processes: int,
+    concurrency: int,
+    runs: int,
+    history_rows: int,
+    as_json: bool,
+) -> int:
+    url = resolve_database_url(database_url)
+    schema = BENCH_SCHEMA
+    figures: list[Figure] = []
+
+    def report(figure: Figure) -> None:
+        figures.append(figure)
+        if not as_json:
+            print(figure.line(), flush=True)
+
+    with psycopg.connect(url) as conn:
+        version = conn.execute("SHOW server_version").fetchone()
+        fsync = conn.execute("SHOW fsync").fetchone()
+    meta = {
+        "server_version": version[0] if version else "?",
+        "fsync": fsync[0] if fsync else "?",
+        "cpus": os.cpu_count(),
+        "jobs": jobs,
+        "processes": processes,
+        "concurrency": concurrency,
+    }
+    if not as_json:
+        print(
+            f"skiplock bench: PostgreSQL {meta['server_version']}, fsync={meta['fsync']}, "
+            f"{meta['cpus']} CPUs; {jobs:,} jobs, {processes} worker processes x "
+            f"{concurrency}; median of {runs} runs",
+            flush=True,
+        )
+    drain_median: float | None = None
+    for scenario in scenarios:
+        if scenario == "enqueue":
+            fig = Figure("enqueue (enqueue_many)", "jobs/s")
+            fig.runs = [enqueue_once(url, schema, jobs) for _ in range(runs)]
+        elif scenario == "drain":
+            fig = Figure("drain", "jobs/s")
+            fig.runs = [drain_once(url, schema, jobs, processes, concurrency) for _ in range(runs)]
+            drain_median = fig.median
+        elif scenario == "ceiling":
+            fig = Figure("ceiling (SQL only)", "jobs/s")
+            fig.runs = [ceiling_once(url, schema, jobs, min(concurrency, 500)) for _ in range(runs)]
+            if drain_median is not None:
+                fig.extra["drain_share"] = round(drain_median / fig.median, 2)
+        elif scenario == "latency":
+            results = [latency_once(url, schema, 200, 0.02) for _ in range(runs)]
+            for pct in ("p50", "p95", "p99"):
+                report(Figure(f"latency {pct}", "ms", [r[pct] for r in results]))
+            continue
+        elif scenario == "seed":
+            fig = Figure("seed (lesson's 400 jobs)", "s", [seed_once(url) for _ in range(runs)])
+        elif scenario in ("history", "scheduled"):
+            kind = "finished" if scenario == "history" else "scheduled"
+            fig = Figure(f"drain, {history_rows:,} {kind} rows", "jobs/s")
+            fig.runs = [
+                drain_once(
+                    url,
+                    schema,
+                    jobs,
+                    processes,
+                    concurrency,
+                    setup=history_setup(kind, history_rows),
+                )
+                for _ in range(runs)
+            ]
+            if drain_median is not None:
+                fig.extra["vs_drain"] = round(fig.median / drain_median, 2)
+        else:
+            raise ValueError(f"unknown scenario {scenario!r}")
+        report(fig)
+    if as_json:
+        print(json.dumps({"meta": meta, "figures": [f.as_dict() for f in figures]}))
+    return 0
