@@ -122,14 +122,12 @@ def list_jobs(
 
 def retry_job(conn: Conn, schema: str, job_id: int) -> None:
     """Send a dead (or waiting) job back to its queue with fresh attempts."""
-    row = conn.execute(render(admin.JOB_RETRY, schema), {"id": job_id}).fetchone()
+    row = conn.execute(
+        render(admin.JOB_RETRY, schema), {"id": job_id, "channel": notify_channel(schema)}
+    ).fetchone()
     if row is None:
         job = get_job(conn, schema, job_id)  # raises JobNotFoundError when there is none
         raise JobNotFoundError(f"job {job_id} is {job.state}; only waiting or dead jobs retry")
-    conn.execute(
-        render(admin.QUEUE_NOTIFY, schema),
-        {"channel": notify_channel(schema), "queue": get_job(conn, schema, job_id).queue},
-    )
 
 
 def cancel_job(conn: Conn, schema: str, job_id: int) -> None:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
+from skiplock.cursor import Wakeup, parse_payload
 from skiplock.retry import RetryPolicy
 
 log = logging.getLogger("skiplock.notifier")
@@ -23,19 +24,22 @@ RECONNECT = RetryPolicy(base=0.1, factor=2.0, cap=5.0, jitter=0.5)
 
 
 class Notifier:
-    """Sets the wake event of each queue named in a notification on ``channel``."""
+    """Hands each notification on ``channel`` to ``on_wakeup``; ``on_connect`` runs after
+    every (re)connection, since whatever was sent meanwhile is lost."""
 
     def __init__(
         self,
         database_url: str,
         channel: str,
-        wake: Mapping[str, asyncio.Event],
+        on_wakeup: Callable[[Wakeup], None],
+        on_connect: Callable[[], None],
         *,
         setup: tuple[str, dict[str, Any]] | None = None,
     ) -> None:
         self._url = database_url
         self._channel = channel
-        self._wake = wake
+        self._on_wakeup = on_wakeup
+        self._on_connect = on_connect
         self._setup = setup
         self.connected = asyncio.Event()
         self.reconnects = 0
@@ -58,13 +62,9 @@ class Notifier:
                         await conn.execute(*self._setup)
                     failures = 0
                     self.connected.set()
-                    # Anything sent while we were away was lost: poll every queue now.
-                    for event in self._wake.values():
-                        event.set()
+                    self._on_connect()
                     async for note in conn.notifies():
-                        woken = self._wake.get(note.payload)
-                        if woken is not None:
-                            woken.set()
+                        self._on_wakeup(parse_payload(note.payload))
             except psycopg.OperationalError as exc:
                 self.connected.clear()
                 failures += 1

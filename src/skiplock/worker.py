@@ -26,12 +26,13 @@ from skiplock import executor
 from skiplock.app import App
 from skiplock.completer import Completer, Outcome
 from skiplock.config import notify_channel
+from skiplock.cursor import ClaimCursor, Wakeup
 from skiplock.errors import ConfigurationError, SchemaNotReadyError
 from skiplock.migrate import pending_migrations
 from skiplock.notifier import Notifier
 from skiplock.producer import Producer, Slots
 from skiplock.retry import RetryPolicy
-from skiplock.sql import admin, claim, complete, maintenance, render
+from skiplock.sql import claim, complete, maintenance, render
 from skiplock.tasks import MAX_QUEUE_NAME, check_name
 from skiplock.types import ClaimedJob
 
@@ -69,6 +70,7 @@ class Worker:
         batch_max: int = 100,
         transactional_batch: int = 10,
         rescue_interval: float = 1.0,
+        sweep_interval: float = 5.0,
         completer_interval: float = 0.002,
         liveness_lock: bool = True,
     ) -> None:
@@ -89,6 +91,7 @@ class Worker:
         self.batch_max = batch_max
         self.transactional_batch = transactional_batch
         self.rescue_interval = rescue_interval
+        self.sweep_interval = sweep_interval
         self.completer_interval = completer_interval
         self.liveness_lock = liveness_lock
         self.id: UUID = uuid4()
@@ -159,15 +162,31 @@ class Worker:
         setup = None
         if self.liveness_lock:
             setup = (render(maintenance.WORKER_LOCK, self.app.schema), {"id": self.id})
+        cursors = {queue: ClaimCursor(self.sweep_interval) for queue in self.queues}
+
+        def on_wakeup(wakeup: Wakeup) -> None:
+            if wakeup.queue in cursors:
+                cursors[wakeup.queue].rewind(wakeup)
+                wake[wakeup.queue].set()
+            if wakeup.run_at is not None and wakeup.run_at > executor.utcnow():
+                promote_wake.set()  # a job scheduled for later: recompute the next due time
+
+        def on_connect() -> None:
+            # Whatever was announced while the listener was away is unknown: sweep.
+            for queue, cursor in cursors.items():
+                cursor.force_sweep()
+                wake[queue].set()
+            promote_wake.set()
+
         self._notifier = notifier = Notifier(
-            url, notify_channel(self.app.schema), wake, setup=setup
+            url, notify_channel(self.app.schema), on_wakeup, on_connect, setup=setup
         )
         producers: list[Producer] = []
         for queue in self.queues:
             producers.append(
                 Producer(
                     f"{queue}/lease",
-                    self._lease_fetch(pool, queue, leased_excluded, threads, slots),
+                    self._lease_fetch(pool, queue, cursors[queue], leased_excluded, threads, slots),
                     slots,
                     wake[queue],
                     batch_max=self.batch_max,
@@ -196,15 +215,15 @@ class Worker:
         background = [
             asyncio.create_task(notifier.run(), name="skiplock-notifier"),
             asyncio.create_task(completer.run(), name="skiplock-completer"),
-            asyncio.create_task(self._maintain(pool, wake), name="skiplock-maintenance"),
+            asyncio.create_task(self._maintain(pool), name="skiplock-maintenance"),
             asyncio.create_task(self._promote(pool, promote_wake), name="skiplock-promoter"),
         ]
         producer_tasks: list[asyncio.Task[None]] = []
         try:
-            await self._register(pool)
-            # Claim nothing before the liveness lock is held: until then a rescuer would
-            # take this worker for dead and hand its jobs to someone else.
+            # Register and claim only once the liveness lock is held: until then a rescuer
+            # would take this worker for dead, drop its registration and hand its jobs on.
             await self._until_stopped(notifier.connected.wait())
+            await self._register(pool)
             producer_tasks += [asyncio.create_task(p.run(), name=p.name) for p in producers]
             self.ready.set()
             log.info(
@@ -312,27 +331,33 @@ class Worker:
         self,
         pool: AsyncConnectionPool[Any],
         queue: str,
+        cursor: ClaimCursor,
         excluded: list[str],
         threads: ThreadPoolExecutor,
         slots: Slots,
     ) -> Any:
-        statement = render(claim.JOB_CLAIM_BATCH, self.app.schema)
+        full = render(claim.JOB_CLAIM_BATCH, self.app.schema)
+        resumed = render(claim.JOB_CLAIM_BATCH_AFTER, self.app.schema)
+        loop = asyncio.get_running_loop()
 
         async def fetch(limit: int) -> int:
+            params: dict[str, Any] = {
+                "queue": queue,
+                "exclude_tasks": excluded,
+                "limit": limit,
+                "worker_id": self.id,
+                "lease_seconds": self.lease_seconds,
+            }
+            after = cursor.start(loop.time())
+            if after is not None:
+                params.update(after_priority=after[0], after_run_at=after[1], after_id=after[2])
             async with pool.connection() as conn:
-                cur = await conn.execute(
-                    statement,
-                    {
-                        "queue": queue,
-                        "exclude_tasks": excluded,
-                        "limit": limit,
-                        "worker_id": self.id,
-                        "lease_seconds": self.lease_seconds,
-                    },
-                )
+                cur = await conn.execute(full if after is None else resumed, params)
                 rows = await cur.fetchall()
             slots.take(len(rows))
             self.stats.claimed += len(rows)
+            # Columns 4, 5 and 0 are priority, run_at and id: the claim order.
+            cursor.advance([(row[4], row[5], row[0]) for row in rows])
             for row in rows:
                 job = executor.claimed_from_row(row)
                 task = asyncio.create_task(self._run_leased(job, threads, slots))
@@ -452,54 +477,52 @@ class Worker:
 
     # -- heartbeat, rescue, shutdown ---------------------------------------------------
 
+    def _registration(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "queues": self.queues,
+            "concurrency": self.concurrency,
+            "holds_lock": self.liveness_lock,
+        }
+
     async def _register(self, pool: AsyncConnectionPool[Any]) -> None:
         async with pool.connection() as conn:
             await conn.execute(
-                render(maintenance.WORKER_REGISTER, self.app.schema),
-                {
-                    "id": self.id,
-                    "host": socket.gethostname(),
-                    "pid": os.getpid(),
-                    "queues": self.queues,
-                    "concurrency": self.concurrency,
-                    "holds_lock": self.liveness_lock,
-                },
+                render(maintenance.WORKER_REGISTER, self.app.schema), self._registration()
             )
 
-    async def _maintain(
-        self, pool: AsyncConnectionPool[Any], wake: dict[str, asyncio.Event]
-    ) -> None:
+    async def _maintain(self, pool: AsyncConnectionPool[Any]) -> None:
         """Heartbeat leases every third of the lease; rescue the jobs of dead workers (by
-        liveness lock) and of expired leases, whoever's they are."""
+        liveness lock, every rescue_interval) and of expired leases (every half lease:
+        that scan walks the running index, which grows while VACUUM is held back)."""
         schema = self.app.schema
+        params = {"channel": notify_channel(schema)}
         heartbeat_every = max(self.lease_seconds / 3, 0.05)
+        expired_every = max(self.lease_seconds / 2, self.rescue_interval)
         loop = asyncio.get_running_loop()
         next_heartbeat = loop.time() + heartbeat_every
+        next_expired = loop.time()
         while True:
             try:
                 now = loop.time()
                 if now >= next_heartbeat:
                     next_heartbeat = now + heartbeat_every
                     await self.heartbeat(pool)
+                statements = [maintenance.JOB_RESCUE_ORPHANED]
+                if now >= next_expired:
+                    next_expired = now + expired_every
+                    statements.append(maintenance.JOB_RESCUE_EXPIRED)
+                rescued = 0
                 async with pool.connection() as conn:
-                    rescued = []
-                    for statement in (
-                        maintenance.JOB_RESCUE_ORPHANED,
-                        maintenance.JOB_RESCUE_EXPIRED,
-                    ):
-                        cur = await conn.execute(render(statement, schema))
-                        rescued += await cur.fetchall()
-                    for queue in {row[1] for row in rescued}:
-                        await conn.execute(
-                            render(admin.QUEUE_NOTIFY, schema),
-                            {"channel": notify_channel(schema), "queue": queue},
-                        )
+                    for statement in statements:
+                        # Each statement notifies the queues it refilled (and so us).
+                        cur = await conn.execute(render(statement, schema), params)
+                        rescued += sum(int(row[1]) for row in await cur.fetchall())
                 if rescued:
-                    self.stats.rescued += len(rescued)
-                    log.warning("rescued %d jobs of dead workers or expired leases", len(rescued))
-                    for queue in {row[1] for row in rescued}:
-                        if queue in wake:
-                            wake[queue].set()
+                    self.stats.rescued += rescued
+                    log.warning("rescued %d jobs of dead workers or expired leases", rescued)
             except psycopg.OperationalError as exc:
                 log.warning("maintenance failed (%s); will retry", exc)
             await asyncio.sleep(min(self.rescue_interval, heartbeat_every))
@@ -533,7 +556,9 @@ class Worker:
     async def heartbeat(self, pool: AsyncConnectionPool[Any]) -> None:
         """Extend this worker's leases; stop jobs whose lease was lost."""
         async with pool.connection() as conn:
-            await conn.execute(render(maintenance.WORKER_TOUCH, self.app.schema), {"id": self.id})
+            await conn.execute(
+                render(maintenance.WORKER_TOUCH, self.app.schema), self._registration()
+            )
             if not self._leased:
                 return
             held = dict(self._leased)

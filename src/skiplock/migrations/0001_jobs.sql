@@ -85,11 +85,16 @@ CREATE INDEX job_history_finished_at ON job_history (finished_at);
 -- so bulk inserts do not flood the notification queue. NOTIFY is only a wake-up: workers
 -- also poll, and the job itself lives in the table. Firing from a trigger means a plain
 -- SQL INSERT wakes workers as well as the Python client does.
+-- Payload: queue, TAB, lowest priority, TAB, earliest run_at (epoch seconds). A worker
+-- whose claim cursor has moved past that position rewinds to it (see sql/claim.py).
 CREATE FUNCTION notify_jobs_inserted() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    PERFORM pg_notify(TG_TABLE_SCHEMA || '.jobs', q.queue)
-    FROM (SELECT DISTINCT queue FROM inserted) AS q;
+    PERFORM pg_notify(
+        TG_TABLE_SCHEMA || '.jobs',
+        q.queue || E'\t' || q.priority || E'\t' || extract(epoch FROM q.run_at))
+    FROM (SELECT queue, min(priority) AS priority, min(run_at) AS run_at
+          FROM inserted GROUP BY queue) AS q;
     RETURN NULL;
 END
 $$;

@@ -1,5 +1,7 @@
 """Reading and steering jobs by hand: the CLI's and operators' statements."""
 
+from skiplock.sql.maintenance import NOTIFY_MOVED
+
 JOB_GET = """
 SELECT id, queue, task, args, state, priority, run_at, attempts, max_attempts, errors,
        worker_id, lease_expires_at, created_at, attempted_at,
@@ -25,19 +27,19 @@ LIMIT %(limit)s
 """
 
 # A dead (or waiting) job goes back to the queue with a fresh set of attempts; its errors
-# are kept so the history of what went wrong survives the retry.
-JOB_RETRY = """
-UPDATE {jobs}
-SET state = 'available', run_at = now(), attempts = 0, worker_id = NULL,
-    lease_expires_at = NULL
-WHERE id = %(id)s AND state IN ('dead', 'retryable', 'scheduled', 'available')
-RETURNING id
-"""
-
-# Wake the queue's workers after a manual retry (the insert trigger does not fire on update).
-QUEUE_NOTIFY = """
-SELECT pg_notify(%(channel)s, %(queue)s)
-"""
+# are kept so the history of what went wrong survives the retry. The insert trigger does
+# not fire on update, so the statement wakes the queue itself.
+JOB_RETRY = (
+    """
+WITH moved AS (
+    UPDATE {jobs}
+    SET state = 'available', run_at = now(), attempts = 0, worker_id = NULL,
+        lease_expires_at = NULL
+    WHERE id = %(id)s AND state IN ('dead', 'retryable', 'scheduled', 'available')
+    RETURNING queue, priority, run_at
+)"""
+    + NOTIFY_MOVED
+)
 
 JOB_CANCEL_WAITING = """
 WITH gone AS (

@@ -30,6 +30,22 @@ RETURNING j.id, j.queue, j.task, j.args, j.priority, j.run_at, j.attempts, j.max
           j.created_at
 """
 
+# The same claim resumed after a position: the row comparison is an index condition, so
+# the scan starts at the cursor instead of walking every entry that earlier claims
+# consumed. While a long transaction anywhere holds back VACUUM, those entries cannot be
+# removed, and a scan from the start re-reads all of them on every call; this one reads
+# each about once. Jobs that appear behind the cursor rewind it through their
+# notification, and a periodic full claim (JOB_CLAIM_BATCH) catches anything else.
+JOB_CLAIM_BATCH_AFTER = JOB_CLAIM_BATCH.replace(
+    "AND run_at <= now()\n",
+    "AND run_at <= now()\n"
+    "      AND (priority, run_at, id)\n"
+    "          > (%(after_priority)s::smallint, %(after_run_at)s::timestamptz,\n"
+    "             %(after_id)s::bigint)\n",
+)
+if JOB_CLAIM_BATCH_AFTER == JOB_CLAIM_BATCH:  # pragma: no cover - guards the edit above
+    raise RuntimeError("JOB_CLAIM_BATCH changed shape; update JOB_CLAIM_BATCH_AFTER")
+
 # Transactional mode: lock ready rows and leave them as they are. The row lock is the
 # claim; it lasts exactly as long as the caller's transaction, so a crash rolls everything
 # back and the job is claimable again with attempts unchanged.

@@ -1,0 +1,82 @@
+"""Where a queue's next claim starts: pure bookkeeping, no I/O.
+
+Claims read the jobs_claim index in (priority, run_at, id) order. Each claim moves the
+cursor to the last job it took; the next claim starts after it. Jobs can still become
+available behind the cursor (a higher priority, a transaction that committed late, a
+rescue or promotion of an older job): their notification carries the queue's lowest
+(priority, run_at) and rewinds the cursor. A full claim from the start every
+``sweep_interval`` seconds, and after the listener reconnects, catches whatever no
+notification announced.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+Position = tuple[int, datetime, int]
+
+
+@dataclass(frozen=True)
+class Wakeup:
+    """A parsed notification: the queue and the earliest position that changed in it."""
+
+    queue: str
+    priority: int | None = None
+    run_at: datetime | None = None
+
+
+def parse_payload(payload: str) -> Wakeup:
+    """``queue`` or ``queue TAB priority TAB epoch-seconds``; unknown shapes wake only."""
+    parts = payload.rsplit("\t", 2)
+    if len(parts) != 3:
+        return Wakeup(payload)
+    queue, priority, epoch = parts
+    try:
+        seconds = float(epoch)
+        if not math.isfinite(seconds):
+            return Wakeup(queue)
+        return Wakeup(queue, int(priority), datetime.fromtimestamp(seconds, timezone.utc))
+    except (ValueError, OverflowError, OSError):
+        return Wakeup(queue)
+
+
+class ClaimCursor:
+    """The resume position of one queue's claims in one worker process."""
+
+    def __init__(self, sweep_interval: float) -> None:
+        self.sweep_interval = sweep_interval
+        self.position: Position | None = None
+        self._last_sweep = -math.inf
+        self.sweeps = 0
+
+    def start(self, now: float) -> Position | None:
+        """The position to claim after, or None for a full claim from the start."""
+        if self.position is None or now - self._last_sweep >= self.sweep_interval:
+            self._last_sweep = now
+            self.sweeps += 1
+            return None
+        return self.position
+
+    def advance(self, claimed: list[Position]) -> None:
+        """Move past the jobs just claimed (never backwards: that is rewind's job)."""
+        if not claimed:
+            return
+        last = max(claimed)
+        if self.position is None or last > self.position:
+            self.position = last
+
+    def rewind(self, wakeup: Wakeup) -> None:
+        """Step back to just before a position that a notification says changed."""
+        if self.position is None:
+            return
+        if wakeup.priority is None or wakeup.run_at is None:
+            self.force_sweep()
+            return
+        # Epoch seconds lose sub-microsecond precision: step back one microsecond more.
+        target: Position = (wakeup.priority, wakeup.run_at - timedelta(microseconds=1), 0)
+        self.position = min(self.position, target)
+
+    def force_sweep(self) -> None:
+        self._last_sweep = -math.inf
