@@ -227,7 +227,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-SCENARIOS = ("enqueue", "drain", "ceiling", "latency", "seed", "history", "scheduled")
+SCENARIOS = (
+    "enqueue",
+    "drain",
+    "ceiling",
+    "latency",
+    "seed",
+    "history",
+    "scheduled",
+    "pressure",
+)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -248,6 +257,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         runs=args.runs,
         history_rows=args.history_rows,
         as_json=args.json,
+        rate=args.rate,
+        phase_seconds=[float(x) for x in args.phases.split(",")],
     )
 
 
@@ -317,6 +328,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=200, help="per worker process")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--history-rows", type=int, default=1_000_000)
+    p.add_argument("--rate", type=int, default=1000, help="pressure: jobs/s offered")
+    p.add_argument(
+        "--phases",
+        default="20,60,180,60",
+        help="pressure: seconds of warm-up, clean, held and recovery (default %(default)s)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 

@@ -31,8 +31,10 @@ CREATE TABLE jobs (
     CONSTRAINT jobs_task_valid CHECK (char_length(task) BETWEEN 1 AND 255),
     CONSTRAINT jobs_args_object CHECK (jsonb_typeof(args) = 'object'),
     CONSTRAINT jobs_attempts_valid CHECK (attempts >= 0 AND max_attempts >= 1),
-    CONSTRAINT jobs_running_has_lease
-        CHECK (state <> 'running' OR (worker_id IS NOT NULL AND lease_expires_at IS NOT NULL))
+    -- A worker id is set exactly while a job runs in lease mode, so fenced writes can test
+    -- worker_id alone (see sql/complete.py).
+    CONSTRAINT jobs_lease_iff_running
+        CHECK ((state = 'running') = (worker_id IS NOT NULL AND lease_expires_at IS NOT NULL))
 ) WITH (
     -- Room on each page for HOT updates (heartbeats touch no indexed column), and
     -- vacuum driven by a fixed number of dead rows rather than a share of the table:

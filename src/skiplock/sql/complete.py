@@ -1,5 +1,10 @@
 """Writing outcomes. Every write is fenced: it only touches a row this worker still holds.
 
+The fence is id + attempts (the attempt's token) + worker_id. There is deliberately no
+``state = 'running'`` test: the jobs_lease_iff_running constraint makes it implied by
+worker_id, and spelling it out would let the planner pick the partial jobs_running index,
+which while VACUUM is held back holds an entry for every job that ever ran.
+
 Lease-mode statements take parallel arrays (one statement per outcome kind per batch) and
 return the ids they changed; the caller compares them with what it sent and counts the
 refused ones. A refusal means the lease was lost and the job was rescued, maybe already
@@ -18,7 +23,6 @@ WITH done AS (
     WHERE j.id = o.id
       AND j.attempts = o.attempt
       AND j.worker_id = %(worker_id)s
-      AND j.state = 'running'
     RETURNING j.*, o.result
 )
 INSERT INTO {history} ("""
@@ -47,7 +51,6 @@ FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(dead)s::bool[], %(delays)s
 WHERE j.id = o.id
   AND j.attempts = o.attempt
   AND j.worker_id = %(worker_id)s
-  AND j.state = 'running'
 RETURNING j.id
 """
 
@@ -60,7 +63,6 @@ FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS o(id, attempt)
 WHERE j.id = o.id
   AND j.attempts = o.attempt
   AND j.worker_id = %(worker_id)s
-  AND j.state = 'running'
 RETURNING j.id
 """
 
