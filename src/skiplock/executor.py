@@ -233,6 +233,9 @@ def run_transactional_sync(
             exc: BaseException | None = None
             result: object = None
             set_current_job(job)
+            if task.options.timeout is not None:
+                ms = str(max(int(task.options.timeout * 1000), 1))
+                conn.execute(render(complete.SESSION_LIMIT, app.schema), {"ms": ms})
             try:
                 with conn.transaction():
                     result = task.fn(conn, **job.args)

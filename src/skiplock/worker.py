@@ -24,7 +24,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from skiplock import executor
 from skiplock.app import App
-from skiplock.completer import Completer, Outcome
+from skiplock.completer import Completer
 from skiplock.config import notify_channel
 from skiplock.cursor import ClaimCursor, Wakeup
 from skiplock.errors import ConfigurationError, SchemaNotReadyError
@@ -105,6 +105,7 @@ class Worker:
         # Lease-mode jobs in flight: id -> (attempt, asyncio task running it).
         self._leased: dict[int, tuple[int, asyncio.Task[None]]] = {}
         self._sessions: set[asyncio.Task[None]] = set()
+        self._abandon = asyncio.Event()
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -238,7 +239,7 @@ class Worker:
             for task in producer_tasks:
                 task.cancel()
             await asyncio.gather(*producer_tasks, return_exceptions=True)
-            await self._drain(completer)
+            await self._drain(completer, pool)
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
@@ -256,12 +257,8 @@ class Worker:
     def _on_signal(self, signum: int) -> None:
         assert self._stop is not None
         if self._stop.is_set():
-            log.warning("second %s: abandoning running jobs", signal.Signals(signum).name)
-            self.shutdown_timeout = 0
-            for _, task in self._leased.values():
-                task.cancel()
-            for session in self._sessions:
-                session.cancel()
+            log.warning("second %s: releasing running jobs now", signal.Signals(signum).name)
+            self._abandon.set()
         self._stop.set()
 
     async def _wait_for_database(self) -> None:
@@ -584,46 +581,50 @@ class Worker:
             del self._leased[job_id]
             task.cancel()
 
-    async def _drain(self, completer: Completer) -> None:
+    async def _drain(self, completer: Completer, pool: AsyncConnectionPool[Any]) -> None:
         """Let running jobs finish (up to the shutdown timeout), then write every outcome.
 
-        Jobs still running at the timeout are released: back to the queue at once, the
-        attempt counted, with a WorkerShutdown error recorded.
+        Jobs still running at the timeout are released: back to the queue at once with
+        the attempt given back (it was cut short, not failed) and a WorkerShutdown note.
         """
         running = [task for _, task in self._leased.values()] + list(self._sessions)
+        unfinished: dict[int, int] = {}
         if running:
-            _, still = await asyncio.wait(running, timeout=self.shutdown_timeout or None)
-            if self.shutdown_timeout == 0:
-                still = set(running)
+            finished = asyncio.ensure_future(
+                asyncio.wait(running, timeout=max(self.shutdown_timeout, 0.001))
+            )
+            abandoned = asyncio.ensure_future(self._abandon.wait())
+            await asyncio.wait({finished, abandoned}, return_when=asyncio.FIRST_COMPLETED)
+            abandoned.cancel()
+            still = {task for task in running if not task.done()}
             for job_id, (attempt, task) in list(self._leased.items()):
                 if task in still:
-                    completer.add(
-                        Outcome(
-                            job_id,
-                            attempt,
-                            error={
-                                "attempt": attempt,
-                                "type": "WorkerShutdown",
-                                "message": "worker stopped before the job finished",
-                                "traceback": None,
-                                "at": executor.utcnow().isoformat(),
-                            },
-                            dead=False,
-                            delay=0.0,
-                        )
-                    )
+                    unfinished[job_id] = attempt
                     del self._leased[job_id]
                     task.cancel()
             for session in self._sessions:
                 session.cancel()
         for _ in range(50):
-            if completer.backlog == 0:
-                break
             try:
-                await completer.flush()
+                if completer.backlog:
+                    await completer.flush()
+                if unfinished:
+                    await self._release(pool, unfinished)
+                    unfinished = {}
+                if not completer.backlog:
+                    break
             except psycopg.OperationalError as exc:
-                log.warning("final flush failed (%s); retrying", exc)
+                log.warning("final writes failed (%s); retrying", exc)
                 await asyncio.sleep(0.2)
+
+    async def _release(self, pool: AsyncConnectionPool[Any], jobs: dict[int, int]) -> None:
+        async with pool.connection() as conn:
+            cur = await conn.execute(
+                render(complete.JOB_RELEASE_MANY_IF_LEASED, self.app.schema),
+                {"ids": list(jobs), "attempts": list(jobs.values()), "worker_id": self.id},
+            )
+            released = len(await cur.fetchall())
+        log.warning("released %d unfinished jobs back to their queues", released)
 
 
 def _pending_versions(url: str, schema: str) -> list[int]:

@@ -66,6 +66,35 @@ WHERE j.id = o.id
 RETURNING j.id
 """
 
+# Graceful shutdown ran out of time: the attempt was cut short, not failed, so it is
+# given back, and the job is available at once.
+JOB_RELEASE_MANY_IF_LEASED = """
+UPDATE {jobs} AS j
+SET state = 'available',
+    attempts = j.attempts - 1,
+    errors = j.errors || jsonb_build_array(jsonb_build_object(
+        'attempt', j.attempts,
+        'at', now(),
+        'type', 'WorkerShutdown',
+        'message', 'worker stopped before the job finished; the attempt is not counted',
+        'traceback', NULL)),
+    worker_id = NULL,
+    lease_expires_at = NULL
+FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS o(id, attempt)
+WHERE j.id = o.id
+  AND j.attempts = o.attempt
+  AND j.worker_id = %(worker_id)s
+RETURNING j.id
+"""
+
+# A transactional handler's time limit: the server ends a session left idle inside its
+# transaction (a sync handler stuck outside SQL) or a statement running longer, and the
+# rollback makes the job claimable again. Transaction-local.
+SESSION_LIMIT = """
+SELECT set_config('idle_in_transaction_session_timeout', %(ms)s, true),
+       set_config('statement_timeout', %(ms)s, true)
+"""
+
 # Transactional mode: the row lock taken by JOB_LOCK_BATCH is held by this very
 # transaction, so the lock is the fence; the state check guards against misuse.
 JOB_COMPLETE_LOCKED = (
