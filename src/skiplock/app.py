@@ -58,6 +58,11 @@ class App:
 
         def register(func: Callable[..., R]) -> Task[R]:
             task_name = name or f"{func.__module__}.{func.__qualname__}"
+            if name is None and "<" in task_name:
+                raise ConfigurationError(
+                    f"{func.__qualname__!r} is defined inside a function, so it has no stable "
+                    "import name; pass one: @app.task(name='...')"
+                )
             check_name("task", task_name, MAX_TASK_NAME)
             if task_name in self.tasks:
                 raise ConfigurationError(f"task {task_name!r} is already registered")

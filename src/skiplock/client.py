@@ -8,6 +8,7 @@ by the sync and async shells, which only execute.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -35,16 +36,31 @@ def _one_params(spec: JobSpec) -> dict[str, Any]:
     }
 
 
-def _many_params(specs: Sequence[JobSpec]) -> dict[str, Any]:
-    return {
-        "queues": [s.queue for s in specs],
-        "tasks": [s.task for s in specs],
-        "args": [s.args_json for s in specs],
-        "priorities": [s.priority for s in specs],
-        "run_ats": [s.run_at for s in specs],
-        "delays": [s.delay for s in specs],
-        "max_attempts": [s.max_attempts for s in specs],
-    }
+def _copy_rows(
+    specs: Sequence[JobSpec], ids: Sequence[int], now: datetime
+) -> list[tuple[Any, ...]]:
+    """Rows for JOB_COPY_IN: run_at and state decided against the transaction's now()."""
+    rows = []
+    for job_id, spec in zip(ids, specs, strict=True):
+        run_at = spec.run_at or (now + timedelta(seconds=spec.delay) if spec.delay else now)
+        state = "scheduled" if run_at > now else "available"
+        rows.append(
+            (
+                job_id,
+                spec.queue,
+                spec.task,
+                spec.args_json,
+                spec.priority,
+                run_at,
+                state,
+                spec.max_attempts,
+            )
+        )
+    return rows
+
+
+def _reserve_params(schema: str, count: int) -> dict[str, Any]:
+    return {"table": f'"{schema}".jobs', "count": count}
 
 
 def insert_job(conn: Conn, schema: str, spec: JobSpec) -> int:
@@ -61,17 +77,33 @@ async def insert_job_async(conn: AsyncConn, schema: str, spec: JobSpec) -> int:
 
 
 def insert_jobs(conn: Conn, schema: str, specs: Sequence[JobSpec]) -> list[int]:
+    """Reserve ids, then COPY: two round trips for any number of jobs."""
     if not specs:
         return []
-    rows = conn.execute(render(enqueue.JOB_INSERT_MANY, schema), _many_params(specs)).fetchall()
-    return [int(r[0]) for r in rows]
+    row = conn.execute(
+        render(enqueue.JOB_IDS_RESERVE, schema), _reserve_params(schema, len(specs))
+    ).fetchone()
+    assert row is not None
+    now, ids = row
+    with conn.cursor().copy(render(enqueue.JOB_COPY_IN, schema)) as copy:
+        for values in _copy_rows(specs, ids, now):
+            copy.write_row(values)
+    return list(ids)
 
 
 async def insert_jobs_async(conn: AsyncConn, schema: str, specs: Sequence[JobSpec]) -> list[int]:
     if not specs:
         return []
-    cur = await conn.execute(render(enqueue.JOB_INSERT_MANY, schema), _many_params(specs))
-    return [int(r[0]) for r in await cur.fetchall()]
+    cur = await conn.execute(
+        render(enqueue.JOB_IDS_RESERVE, schema), _reserve_params(schema, len(specs))
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    now, ids = row
+    async with conn.cursor().copy(render(enqueue.JOB_COPY_IN, schema)) as copy:
+        for values in _copy_rows(specs, ids, now):
+            await copy.write_row(values)
+    return list(ids)
 
 
 def job_from_row(row: dict[str, Any]) -> Job:

@@ -141,13 +141,19 @@ def _json_problem(value: object, path: str) -> str | None:
     return f"{path} is a {type(value).__name__}, which is not JSON (pass ids, not objects)"
 
 
+_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+
+
 def encode_args(task_name: str, args: Mapping[str, Any]) -> str:
     """Arguments as a JSON object, or an EnqueueError naming the argument that cannot be."""
     for key, value in args.items():
         problem = _json_problem(value, f"argument {key!r}")
         if problem:
             raise EnqueueError(f"cannot enqueue {task_name}: {problem}")
-    encoded = json.dumps(dict(args), allow_nan=False, separators=(",", ":"))
+    try:
+        encoded = _ENCODER.encode(args)
+    except ValueError as exc:  # e.g. an int past Python's int-to-str digit limit
+        raise EnqueueError(f"cannot enqueue {task_name}: {exc}") from None
     if len(encoded) > MAX_ARGS_BYTES:
         raise EnqueueError(
             f"cannot enqueue {task_name}: arguments are {len(encoded)} bytes of JSON; "
@@ -180,6 +186,14 @@ class Task(Generic[R]):
         self.is_async = inspect.iscoroutinefunction(fn)
         self._signature = inspect.signature(fn)
         self._check_signature()
+        # For the fast argument check: bulk enqueue checks every job.
+        params = list(self._signature.parameters.values())[1 if options.transactional else 0 :]
+        self._takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+        self._names = frozenset(p.name for p in params if p.kind is not p.VAR_KEYWORD)
+        self._required = frozenset(
+            p.name for p in params if p.default is p.empty and p.kind is not p.VAR_KEYWORD
+        )
+        self._default_call: TaskCall[R] = TaskCall(self)
 
     def _check_signature(self) -> None:
         params = list(self._signature.parameters.values())
@@ -208,6 +222,10 @@ class Task(Generic[R]):
 
     def check_args(self, args: Mapping[str, Any]) -> None:
         """Raise EnqueueError naming the argument when ``args`` does not fit the handler."""
+        keys = args.keys()
+        if (self._takes_any or keys <= self._names) and self._required <= keys:
+            return
+        # Slow path, only to word the error the way Python would.
         try:
             if self.options.transactional:
                 self._signature.bind(None, **args)
@@ -216,21 +234,21 @@ class Task(Generic[R]):
         except TypeError as exc:
             raise EnqueueError(f"cannot enqueue {self.name}: {exc}") from None
 
-    def with_options(self, **options: Any) -> TaskCall[R]:
+    def with_options(self, /, **options: Any) -> TaskCall[R]:
         """Override queue, priority, max_attempts, run_at or delay for the next enqueue."""
-        return TaskCall(self).with_options(**options)
+        return self._default_call.with_options(**options)
 
-    def job(self, **args: Any) -> JobSpec:
+    def job(self, /, **args: Any) -> JobSpec:
         """A validated job for ``App.enqueue_many``."""
-        return TaskCall(self).job(**args)
+        return self._default_call.job(**args)
 
-    def enqueue(self, conn: psycopg.Connection[Any], **args: Any) -> int:
+    def enqueue(self, conn: psycopg.Connection[Any], /, **args: Any) -> int:
         """Insert the job in ``conn``'s current transaction; never commits. Returns its id."""
-        return TaskCall(self).enqueue(conn, **args)
+        return self._default_call.enqueue(conn, **args)
 
-    async def enqueue_async(self, conn: psycopg.AsyncConnection[Any], **args: Any) -> int:
+    async def enqueue_async(self, conn: psycopg.AsyncConnection[Any], /, **args: Any) -> int:
         """Async twin of ``enqueue``."""
-        return await TaskCall(self).enqueue_async(conn, **args)
+        return await self._default_call.enqueue_async(conn, **args)
 
 
 @dataclass(frozen=True)
@@ -244,7 +262,7 @@ class TaskCall(Generic[R]):
     run_at: datetime | None = None
     delay: float = 0.0
 
-    def with_options(self, **options: Any) -> TaskCall[R]:
+    def with_options(self, /, **options: Any) -> TaskCall[R]:
         _reject_unknown(options, _CALL_OPTION_NAMES, "enqueue")
         if "queue" in options:
             check_name("queue", options["queue"], MAX_QUEUE_NAME)
@@ -266,7 +284,7 @@ class TaskCall(Generic[R]):
             raise ConfigurationError("give run_at or delay, not both")
         return replace(self, **options)
 
-    def job(self, **args: Any) -> JobSpec:
+    def job(self, /, **args: Any) -> JobSpec:
         task = self.task
         task.check_args(args)
         return JobSpec(
@@ -279,12 +297,12 @@ class TaskCall(Generic[R]):
             delay=float(self.delay),
         )
 
-    def enqueue(self, conn: psycopg.Connection[Any], **args: Any) -> int:
+    def enqueue(self, conn: psycopg.Connection[Any], /, **args: Any) -> int:
         from skiplock import client  # noqa: PLC0415 - client imports tasks
 
         return client.insert_job(conn, self.task.app.schema, self.job(**args))
 
-    async def enqueue_async(self, conn: psycopg.AsyncConnection[Any], **args: Any) -> int:
+    async def enqueue_async(self, conn: psycopg.AsyncConnection[Any], /, **args: Any) -> int:
         from skiplock import client  # noqa: PLC0415
 
         return await client.insert_job_async(conn, self.task.app.schema, self.job(**args))

@@ -10,19 +10,17 @@ FROM (SELECT COALESCE(%(run_at)s, now() + %(delay)s * interval '1 second') AS r)
 RETURNING id
 """
 
-# One statement for a whole batch: parallel arrays through unnest, so the statement-level
-# trigger sends one notification per queue however many rows go in.
-JOB_INSERT_MANY = """
-INSERT INTO {jobs} (queue, task, args, priority, run_at, state, max_attempts)
-SELECT q, t, a::jsonb, p, due, CASE WHEN due > now() THEN 'scheduled' ELSE 'available' END, m
-FROM unnest(%(queues)s::text[], %(tasks)s::text[], %(args)s::text[], %(priorities)s::smallint[],
-            %(run_ats)s::timestamptz[], %(delays)s::float8[], %(max_attempts)s::int[])
-     AS u(q, t, a, p, r, d, m),
-     LATERAL (SELECT COALESCE(r, now() + d * interval '1 second') AS due) AS l
-RETURNING id
+# Bulk enqueue, step one: ids from the table's own sequence (so plain INSERTs never
+# collide with them) and the transaction's now(), which delays and the scheduled/available
+# choice are computed against, exactly as JOB_INSERT does in SQL.
+JOB_IDS_RESERVE = """
+SELECT now(), array(
+    SELECT nextval((SELECT pg_get_serial_sequence(%(table)s, 'id'))::regclass)
+    FROM generate_series(1, %(count)s))
 """
 
-# Bulk path for callers who do not need ids back: COPY is the fastest way in.
+# Step two: COPY, the fastest way in. The statement-level insert trigger fires once for
+# the whole COPY, so workers get one notification per queue however many rows.
 JOB_COPY_IN = """
-COPY {jobs} (queue, task, args, priority, run_at, state, max_attempts) FROM STDIN
+COPY {jobs} (id, queue, task, args, priority, run_at, state, max_attempts) FROM STDIN
 """
