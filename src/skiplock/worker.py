@@ -28,6 +28,7 @@ from skiplock.completer import Completer
 from skiplock.config import notify_channel
 from skiplock.cursor import ClaimCursor, Wakeup
 from skiplock.errors import ConfigurationError, SchemaNotReadyError
+from skiplock.leadership import Leadership
 from skiplock.migrate import pending_migrations
 from skiplock.notifier import Notifier
 from skiplock.producer import Producer, Slots
@@ -71,6 +72,7 @@ class Worker:
         transactional_batch: int = 10,
         rescue_interval: float = 1.0,
         sweep_interval: float = 5.0,
+        leader_ttl: float = 10.0,
         completer_interval: float = 0.002,
         liveness_lock: bool = True,
     ) -> None:
@@ -92,16 +94,18 @@ class Worker:
         self.transactional_batch = transactional_batch
         self.rescue_interval = rescue_interval
         self.sweep_interval = sweep_interval
+        self.leader_ttl = leader_ttl
         self.completer_interval = completer_interval
         self.liveness_lock = liveness_lock
         self.id: UUID = uuid4()
+        self._rng = random.Random()
+        self.leadership = Leadership(leader_ttl, self._rng)
         self.stats = WorkerStats()
         self.ready = asyncio.Event()
         self.completer: Completer | None = None
         self._notifier: Notifier | None = None
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._rng = random.Random()
         # Lease-mode jobs in flight: id -> (attempt, asyncio task running it).
         self._leased: dict[int, tuple[int, asyncio.Task[None]]] = {}
         self._sessions: set[asyncio.Task[None]] = set()
@@ -247,6 +251,10 @@ class Worker:
                 async with pool.connection() as conn:
                     await conn.execute(
                         render(maintenance.WORKER_DEREGISTER, self.app.schema), {"id": self.id}
+                    )
+                    await conn.execute(
+                        render(maintenance.LEADER_RESIGN, self.app.schema),
+                        {"worker_id": self.id},
                     )
             await pool.close()
             if sync_pool is not None:
@@ -491,9 +499,10 @@ class Worker:
             )
 
     async def _maintain(self, pool: AsyncConnectionPool[Any]) -> None:
-        """Heartbeat leases every third of the lease; rescue the jobs of dead workers (by
-        liveness lock, every rescue_interval) and of expired leases (every half lease:
-        that scan walks the running index, which grows while VACUUM is held back)."""
+        """Heartbeat leases every third of the lease. The elected leader alone rescues the
+        jobs of dead workers (by liveness lock, every rescue_interval) and of expired
+        leases (every half lease: that scan walks the running index, which grows while
+        VACUUM is held back)."""
         schema = self.app.schema
         params = {"channel": notify_channel(schema)}
         heartbeat_every = max(self.lease_seconds / 3, 0.05)
@@ -501,12 +510,25 @@ class Worker:
         loop = asyncio.get_running_loop()
         next_heartbeat = loop.time() + heartbeat_every
         next_expired = loop.time()
+        next_election = loop.time()
+        elect = render(maintenance.LEADER_ELECT, schema)
         while True:
             try:
                 now = loop.time()
                 if now >= next_heartbeat:
                     next_heartbeat = now + heartbeat_every
                     await self.heartbeat(pool)
+                if now >= next_election:
+                    async with pool.connection() as conn:
+                        cur = await conn.execute(
+                            elect, {"worker_id": self.id, "ttl": self.leader_ttl}
+                        )
+                        won = await cur.fetchone() is not None
+                    self.leadership.record(won=won, asked_at=now)
+                    next_election = now + self.leadership.next_attempt_in(now, self.rescue_interval)
+                if not self.leadership.is_leader(loop.time()):
+                    await asyncio.sleep(min(self.rescue_interval, heartbeat_every))
+                    continue
                 statements = [maintenance.JOB_RESCUE_ORPHANED]
                 if now >= next_expired:
                     next_expired = now + expired_every
@@ -521,6 +543,7 @@ class Worker:
                     self.stats.rescued += rescued
                     log.warning("rescued %d jobs of dead workers or expired leases", rescued)
             except psycopg.OperationalError as exc:
+                self.leadership.lose()
                 log.warning("maintenance failed (%s); will retry", exc)
             await asyncio.sleep(min(self.rescue_interval, heartbeat_every))
 

@@ -19,6 +19,7 @@ def render(template: str, schema: str) -> str:
         jobs=sql.Identifier(schema, "jobs"),
         history=sql.Identifier(schema, "job_history"),
         workers=sql.Identifier(schema, "workers"),
+        leader=sql.Identifier(schema, "leader"),
         schema=sql.Identifier(schema),
     )
     return composed.as_string(None)

@@ -97,6 +97,29 @@ SELECT extract(epoch FROM min(run_at) - now())::float8
 FROM {jobs} WHERE state IN ('scheduled', 'retryable')
 """
 
+# Become or stay leader: take the row when it is free or expired, renew it when it is
+# ours, and take it from a leader whose liveness lock is free (its connection is gone, so
+# it is dead: no need to wait out its ttl). Any other live holder makes the WHERE false
+# and nothing comes back. Leaders without a liveness lock (behind a pooler) only expire.
+LEADER_ELECT = """
+INSERT INTO {leader} AS l (name, worker_id, expires_at)
+VALUES ('maintenance', %(worker_id)s, now() + %(ttl)s * interval '1 second')
+ON CONFLICT (name) DO UPDATE
+SET worker_id = EXCLUDED.worker_id,
+    elected_at = CASE WHEN l.worker_id = EXCLUDED.worker_id THEN l.elected_at ELSE now() END,
+    expires_at = EXCLUDED.expires_at
+WHERE l.worker_id = EXCLUDED.worker_id
+   OR l.expires_at < now()
+   OR (EXISTS (SELECT 1 FROM {workers} AS w WHERE w.id = l.worker_id AND w.holds_lock)
+       AND pg_try_advisory_xact_lock(hashtextextended(l.worker_id::text, 0)))
+RETURNING worker_id
+"""
+
+# Hand over cleanly on shutdown: the next worker to try is elected at once.
+LEADER_RESIGN = """
+DELETE FROM {leader} WHERE name = 'maintenance' AND worker_id = %(worker_id)s
+"""
+
 WORKER_REGISTER = """
 INSERT INTO {workers} (id, host, pid, queues, concurrency, holds_lock)
 VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(concurrency)s, %(holds_lock)s)
