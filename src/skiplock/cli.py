@@ -158,6 +158,7 @@ def _job_dict(job: Job) -> dict[str, Any]:
         "attempts": job.attempts,
         "max_attempts": job.max_attempts,
         "run_at": _fmt_time(job.run_at),
+        "retry_at": _fmt_time(job.retry_at),
         "created_at": _fmt_time(job.created_at),
         "attempted_at": _fmt_time(job.attempted_at),
         "finished_at": _fmt_time(job.finished_at),

@@ -115,6 +115,7 @@ def job_from_row(row: dict[str, Any]) -> Job:
         state=JobState(row["state"]),
         priority=row["priority"],
         run_at=row["run_at"],
+        retry_at=row["retry_at"],
         attempts=row["attempts"],
         max_attempts=row["max_attempts"],
         errors=row["errors"],

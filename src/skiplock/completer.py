@@ -67,6 +67,7 @@ class Completer:
         self._on_retry_written = on_retry_written
         self._complete_sql = render(complete.JOB_COMPLETE_MANY_IF_LEASED, schema)
         self._fail_sql = render(complete.JOB_FAIL_MANY_IF_LEASED, schema)
+        self._durable_sql = render(complete.DURABLE_COMMIT_ON, schema)
         self._pending: list[Outcome] = []
         self._ready = asyncio.Event()
         self._drained = asyncio.Event()
@@ -116,6 +117,7 @@ class Completer:
         failed = [o for o in batch if o.error is not None]
         written: set[int] = set()
         async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute(self._durable_sql)
             if done:
                 cur = await conn.execute(
                     self._complete_sql,

@@ -188,6 +188,8 @@ async def run_transactional_async(
     itself is recorded in the outer transaction. Returns how many jobs were claimed.
     """
     async with conn.transaction():
+        # The handler's own writes commit with the job: they must be durable.
+        await conn.execute(render(complete.DURABLE_COMMIT_ON, app.schema))
         cur = await conn.execute(
             render(claim.JOB_LOCK_BATCH, app.schema), _lock_params(queue, tasks, limit)
         )

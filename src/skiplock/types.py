@@ -43,6 +43,7 @@ class Job:
     state: JobState
     priority: int
     run_at: datetime
+    retry_at: datetime | None
     attempts: int
     max_attempts: int
     errors: list[JsonDict]

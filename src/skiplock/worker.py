@@ -137,7 +137,7 @@ class Worker:
             url,
             min_size=2,
             max_size=pool_size,
-            kwargs={"autocommit": True},
+            kwargs={"autocommit": True, "options": claim.WORKER_SESSION_OPTIONS},
             open=False,
             name=f"skiplock-{self.id}",
         )

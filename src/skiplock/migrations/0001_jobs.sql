@@ -13,7 +13,12 @@ CREATE TABLE jobs (
     args             jsonb       NOT NULL DEFAULT '{}'::jsonb,
     state            text        NOT NULL DEFAULT 'available',
     priority         smallint    NOT NULL DEFAULT 0,
+    -- When the job is due; also its place in line. A retry keeps it (see retry_at).
     run_at           timestamptz NOT NULL DEFAULT now(),
+    -- When a failed job may run again. Kept apart from run_at so that a retry resumes its
+    -- place in line once its back-off has passed, instead of queueing behind every job
+    -- enqueued meanwhile (under a steady backlog that would postpone it indefinitely).
+    retry_at         timestamptz,
     attempts         integer     NOT NULL DEFAULT 0,
     max_attempts     integer     NOT NULL DEFAULT 3,
     -- One object per failed attempt: attempt, at, type, message, traceback.
@@ -54,8 +59,9 @@ CREATE TABLE jobs (
 -- with a row comparison instead of walking entries that earlier claims consumed.
 CREATE INDEX jobs_claim ON jobs (queue, priority, run_at, id) WHERE state = 'available';
 
--- The promoter finds jobs coming due; it holds only jobs waiting for their run_at.
-CREATE INDEX jobs_waiting ON jobs (run_at) WHERE state IN ('scheduled', 'retryable');
+-- The promoter finds jobs coming due; it holds only jobs waiting for their time.
+CREATE INDEX jobs_waiting ON jobs ((coalesce(retry_at, run_at)))
+    WHERE state IN ('scheduled', 'retryable');
 
 -- The rescuer looks for running jobs by owner; heartbeats do not touch it.
 CREATE INDEX jobs_running ON jobs (worker_id) WHERE state = 'running';

@@ -3,20 +3,20 @@
 from skiplock.sql.maintenance import NOTIFY_MOVED
 
 JOB_GET = """
-SELECT id, queue, task, args, state, priority, run_at, attempts, max_attempts, errors,
-       worker_id, lease_expires_at, created_at, attempted_at,
+SELECT id, queue, task, args, state, priority, run_at, retry_at, attempts, max_attempts,
+       errors, worker_id, lease_expires_at, created_at, attempted_at,
        NULL::timestamptz AS finished_at, NULL::jsonb AS result
 FROM {jobs} WHERE id = %(id)s
 UNION ALL
-SELECT id, queue, task, args, state, priority, NULL, attempts, max_attempts, errors,
-       NULL, NULL, created_at, attempted_at, finished_at, result
+SELECT id, queue, task, args, state, priority, NULL, NULL, attempts, max_attempts,
+       errors, NULL, NULL, created_at, attempted_at, finished_at, result
 FROM {history} WHERE id = %(id)s
 LIMIT 1
 """
 
 JOB_LIST = """
-SELECT id, queue, task, args, state, priority, run_at, attempts, max_attempts, errors,
-       worker_id, lease_expires_at, created_at, attempted_at,
+SELECT id, queue, task, args, state, priority, run_at, retry_at, attempts, max_attempts,
+       errors, worker_id, lease_expires_at, created_at, attempted_at,
        NULL::timestamptz AS finished_at, NULL::jsonb AS result
 FROM {jobs}
 WHERE (%(state)s::text IS NULL OR state = %(state)s)
@@ -33,7 +33,7 @@ JOB_RETRY = (
     """
 WITH moved AS (
     UPDATE {jobs}
-    SET state = 'available', run_at = now(), attempts = 0, worker_id = NULL,
+    SET state = 'available', retry_at = now(), attempts = 0, worker_id = NULL,
         lease_expires_at = NULL
     WHERE id = %(id)s AND state IN ('dead', 'retryable', 'scheduled', 'available')
     RETURNING queue, priority, run_at
@@ -64,8 +64,9 @@ SELECT queue,
        count(*) FILTER (WHERE state = 'running') AS running,
        count(*) FILTER (WHERE state = 'retryable') AS retryable,
        count(*) FILTER (WHERE state = 'dead') AS dead,
-       extract(epoch FROM now() - min(run_at) FILTER (
-           WHERE state IN ('available', 'scheduled', 'retryable') AND run_at <= now()))
+       extract(epoch FROM now() - min(greatest(run_at, retry_at)) FILTER (
+           WHERE state IN ('available', 'scheduled', 'retryable')
+             AND greatest(run_at, retry_at) <= now()))
            AS oldest_ready_seconds
 FROM {jobs}
 GROUP BY queue

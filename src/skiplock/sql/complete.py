@@ -35,14 +35,14 @@ RETURNING id
 """
 )
 
-# A failed attempt: retryable until run_at (now + delay; available at once when there is
-# no delay), or dead. The lease is
+# A failed attempt: retryable until retry_at (now + delay; available at once when there is
+# no delay), or dead. run_at is left alone: it is the job's place in line. The lease is
 # dropped either way; the error is appended so every attempt's failure is kept.
 JOB_FAIL_MANY_IF_LEASED = """
 UPDATE {jobs} AS j
 SET state = CASE WHEN o.dead THEN 'dead' WHEN o.delay > 0 THEN 'retryable'
                  ELSE 'available' END,
-    run_at = now() + o.delay * interval '1 second',
+    retry_at = now() + o.delay * interval '1 second',
     errors = j.errors || jsonb_build_array(o.error::jsonb),
     worker_id = NULL,
     lease_expires_at = NULL
@@ -95,6 +95,12 @@ SELECT set_config('idle_in_transaction_session_timeout', %(ms)s, true),
        set_config('statement_timeout', %(ms)s, true)
 """
 
+# Worker connections commit claims, heartbeats and maintenance without waiting for the WAL
+# flush (see DURABLE_COMMIT_OFF's comment); outcomes are written with it back on.
+DURABLE_COMMIT_ON = """
+SET LOCAL synchronous_commit TO on
+"""
+
 # Transactional mode: the row lock taken by JOB_LOCK_BATCH is held by this very
 # transaction, so the lock is the fence; the state check guards against misuse.
 JOB_COMPLETE_LOCKED = (
@@ -120,7 +126,7 @@ SET state = CASE WHEN %(dead)s THEN 'dead' WHEN %(delay)s > 0 THEN 'retryable'
                  ELSE 'available' END,
     attempts = attempts + 1,
     attempted_at = now(),
-    run_at = now() + %(delay)s * interval '1 second',
+    retry_at = now() + %(delay)s * interval '1 second',
     errors = errors || jsonb_build_array(%(error)s::jsonb)
 WHERE id = %(id)s AND state = 'available'
 RETURNING id

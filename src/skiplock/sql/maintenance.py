@@ -68,7 +68,9 @@ RETURNING queue, priority, run_at
     + NOTIFY_MOVED
 )
 
-# Scheduled and retryable jobs whose time has come join the claim index. SKIP LOCKED lets
+# Scheduled and retryable jobs whose time has come join the claim index, at their run_at:
+# a retried job resumes its place in line, usually behind claim cursors, which the
+# notification's earliest run_at rewinds. SKIP LOCKED lets
 # several promoters run at once without waiting on each other; each queue that received
 # jobs is woken in the same statement.
 JOB_PROMOTE_DUE = (
@@ -76,8 +78,8 @@ JOB_PROMOTE_DUE = (
 WITH due AS (
     SELECT id
     FROM {jobs}
-    WHERE state IN ('scheduled', 'retryable') AND run_at <= now()
-    ORDER BY run_at
+    WHERE state IN ('scheduled', 'retryable') AND coalesce(retry_at, run_at) <= now()
+    ORDER BY coalesce(retry_at, run_at)
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 ), moved AS (
@@ -93,7 +95,7 @@ WITH due AS (
 # Seconds until the next waiting job comes due (on the database's clock), so the
 # promoter can sleep exactly until then. NULL when nothing waits.
 JOB_NEXT_DUE = """
-SELECT extract(epoch FROM min(run_at) - now())::float8
+SELECT extract(epoch FROM min(coalesce(retry_at, run_at)) - now())::float8
 FROM {jobs} WHERE state IN ('scheduled', 'retryable')
 """
 
