@@ -208,25 +208,96 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     raise AssertionError(args.jobs_command)
 
 
+def status_alerts(
+    queues: list[dict[str, Any]],
+    workers: list[dict[str, Any]],
+    *,
+    max_dead: int | None,
+    max_available: int | None,
+    max_ready_age: float | None,
+    min_workers: int | None,
+) -> list[str]:
+    """Thresholds crossed, each as a sentence an on-call engineer can act on; pure."""
+    alerts = []
+    for row in queues:
+        name = row["queue"]
+        if max_dead is not None and row["dead"] > max_dead:
+            alerts.append(
+                f"queue {name}: {row['dead']} dead jobs (more than {max_dead}); "
+                f"see `skiplock jobs list --state dead --queue {name}`"
+            )
+        if max_available is not None and row["available"] > max_available:
+            alerts.append(
+                f"queue {name}: {row['available']} jobs ready (more than {max_available})"
+            )
+        age = row["oldest_ready_seconds"]
+        if max_ready_age is not None and age is not None and age > max_ready_age:
+            alerts.append(
+                f"queue {name}: oldest ready job has waited {age:.1f}s "
+                f"(more than {max_ready_age:g}s)"
+            )
+    if min_workers is not None and len(workers) < min_workers:
+        alerts.append(f"{len(workers)} workers registered (fewer than {min_workers})")
+    return alerts
+
+
+def _print_status(queues: list[dict[str, Any]], workers: list[dict[str, Any]]) -> None:
+    print(
+        f"{'queue':<16}{'available':>10}{'scheduled':>10}{'running':>8}{'retryable':>10}"
+        f"{'dead':>6}{'oldest ready':>13}{'done/1m':>9}{'failed/1m':>10}{'workers':>8}"
+    )
+    for row in queues:
+        oldest = row["oldest_ready_seconds"]
+        print(
+            f"{row['queue']:<16}{row['available']:>10}{row['scheduled']:>10}"
+            f"{row['running']:>8}{row['retryable']:>10}{row['dead']:>6}"
+            f"{(f'{oldest:.1f}s' if oldest is not None else '-'):>13}"
+            f"{row['completed_last_minute']:>9}{row['failed_last_minute']:>10}"
+            f"{row['workers']:>8}"
+        )
+    if not queues:
+        print("(no jobs and no workers)")
+    print()
+    print(f"{len(workers)} workers")
+    for w in workers:
+        print(
+            f"  {w['host']}:{w['pid']}  queues={','.join(w['queues'])}  "
+            f"concurrency={w['concurrency']}  seen {w['last_seen_seconds']:.0f}s ago"
+            + ("  leader" if w["leader"] else "")
+            + ("" if w["holds_lock"] else "  (lease only)")
+        )
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     app = App(args.database_url, schema=args.schema)
     with app.connect(autocommit=True) as conn:
-        stats = client.queue_stats(conn, app.schema)
-    if args.json:
-        print(json.dumps(stats, default=float))
-        return 0
-    print(
-        f"{'queue':<16}{'available':>10}{'scheduled':>10}{'running':>9}"
-        f"{'retryable':>10}{'dead':>6}  oldest ready"
-    )
-    for row in stats:
-        oldest = row["oldest_ready_seconds"]
-        print(
-            f"{row['queue']:<16}{row['available']:>10}{row['scheduled']:>10}{row['running']:>9}"
-            f"{row['retryable']:>10}{row['dead']:>6}  "
-            + (f"{float(oldest):.1f}s" if oldest is not None else "-")
-        )
-    return 0
+        while True:
+            queues = client.queue_stats(conn, app.schema)
+            workers = client.list_workers(conn, app.schema)
+            alerts = status_alerts(
+                queues,
+                workers,
+                max_dead=args.max_dead,
+                max_available=args.max_available,
+                max_ready_age=args.max_ready_age,
+                min_workers=args.min_workers,
+            )
+            if args.json:
+                print(
+                    json.dumps(
+                        {"queues": queues, "workers": workers, "alerts": alerts}, default=str
+                    ),
+                    flush=True,
+                )
+            else:
+                if args.watch:
+                    print("\033[2J\033[H", end="")  # clear the terminal, cursor home
+                _print_status(queues, workers)
+                for alert in alerts:
+                    print(f"ALERT: {alert}", file=sys.stderr)
+            if not args.watch:
+                return 1 if alerts else 0
+            time.sleep(args.watch)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -356,8 +427,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("status", help="depth, oldest ready age, running and dead per queue")
+    p = sub.add_parser(
+        "status",
+        help="per queue: depth, oldest ready age, running, dead, last minute; workers",
+        description="Exits 1 when a threshold given here is crossed, so it can be an alert check.",
+    )
     p.add_argument("--json", action="store_true")
+    p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS")
+    p.add_argument("--max-dead", type=int, metavar="N", help="alert when a queue has > N dead")
+    p.add_argument("--max-available", type=int, metavar="N", help="alert when > N jobs ready")
+    p.add_argument(
+        "--max-ready-age",
+        type=float,
+        metavar="SECONDS",
+        help="alert when the oldest ready job has waited longer",
+    )
+    p.add_argument("--min-workers", type=int, metavar="N", help="alert when < N workers")
     p.set_defaults(func=cmd_status)
     return parser
 

@@ -174,3 +174,8 @@ def cancel_job(conn: Conn, schema: str, job_id: int) -> None:
 def queue_stats(conn: Conn, schema: str) -> list[dict[str, Any]]:
     with conn.cursor(row_factory=dict_row) as cur:
         return cur.execute(render(admin.QUEUE_STATS, schema)).fetchall()
+
+
+def list_workers(conn: Conn, schema: str) -> list[dict[str, Any]]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(render(admin.WORKER_LIST, schema)).fetchall()

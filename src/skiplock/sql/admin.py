@@ -55,20 +55,64 @@ FROM gone
 RETURNING id
 """
 
-# Monitoring figures per queue. The oldest ready age counts from when the job became due,
-# including due jobs the promoter has not moved yet.
+# Monitoring figures per queue. The oldest ready age counts from when the job became due
+# (its retry_at after a failure), including due jobs the promoter has not moved yet.
+# Failures in the last minute are the error records stamped in it, on live jobs attempted
+# in that minute and on jobs finished in it.
 QUEUE_STATS = """
+WITH live AS (
+    SELECT queue,
+           count(*) FILTER (WHERE state = 'available') AS available,
+           count(*) FILTER (WHERE state = 'scheduled') AS scheduled,
+           count(*) FILTER (WHERE state = 'running') AS running,
+           count(*) FILTER (WHERE state = 'retryable') AS retryable,
+           count(*) FILTER (WHERE state = 'dead') AS dead,
+           extract(epoch FROM now() - min(greatest(run_at, retry_at)) FILTER (
+               WHERE state IN ('available', 'scheduled', 'retryable')
+                 AND greatest(run_at, retry_at) <= now()))::float8 AS oldest_ready_seconds
+    FROM {jobs}
+    GROUP BY queue
+), recent AS (
+    SELECT queue, errors, false AS finished FROM {jobs}
+    WHERE attempted_at > now() - interval '1 minute'
+    UNION ALL
+    SELECT queue, errors, state = 'completed' FROM {history}
+    WHERE finished_at > now() - interval '1 minute'
+), minute AS (
+    SELECT queue,
+           count(*) FILTER (WHERE finished) AS completed_last_minute,
+           coalesce(sum((SELECT count(*) FROM jsonb_array_elements(errors) AS e
+                         WHERE (e ->> 'at')::timestamptz > now() - interval '1 minute')), 0)
+               AS failed_last_minute
+    FROM recent
+    GROUP BY queue
+), serving AS (
+    SELECT q AS queue, count(*) AS workers
+    FROM {workers}, unnest(queues) AS q
+    GROUP BY q
+)
 SELECT queue,
-       count(*) FILTER (WHERE state = 'available') AS available,
-       count(*) FILTER (WHERE state = 'scheduled') AS scheduled,
-       count(*) FILTER (WHERE state = 'running') AS running,
-       count(*) FILTER (WHERE state = 'retryable') AS retryable,
-       count(*) FILTER (WHERE state = 'dead') AS dead,
-       extract(epoch FROM now() - min(greatest(run_at, retry_at)) FILTER (
-           WHERE state IN ('available', 'scheduled', 'retryable')
-             AND greatest(run_at, retry_at) <= now()))
-           AS oldest_ready_seconds
-FROM {jobs}
-GROUP BY queue
+       coalesce(l.available, 0) AS available,
+       coalesce(l.scheduled, 0) AS scheduled,
+       coalesce(l.running, 0) AS running,
+       coalesce(l.retryable, 0) AS retryable,
+       coalesce(l.dead, 0) AS dead,
+       l.oldest_ready_seconds,
+       coalesce(m.completed_last_minute, 0) AS completed_last_minute,
+       coalesce(m.failed_last_minute, 0)::bigint AS failed_last_minute,
+       coalesce(s.workers, 0) AS workers
+FROM live AS l
+FULL JOIN minute AS m USING (queue)
+FULL JOIN serving AS s USING (queue)
 ORDER BY queue
+"""
+
+# Who is working: one row per registered worker process.
+WORKER_LIST = """
+SELECT id, host, pid, queues, concurrency, holds_lock, started_at,
+       extract(epoch FROM now() - last_seen_at)::float8 AS last_seen_seconds,
+       EXISTS (SELECT 1 FROM {leader} AS l
+               WHERE l.worker_id = w.id AND l.expires_at > now()) AS leader
+FROM {workers} AS w
+ORDER BY host, pid
 """
