@@ -22,6 +22,7 @@ from skiplock.app import App
 from skiplock.config import DEFAULT_SCHEMA, SCHEMA_ENV
 from skiplock.errors import ConfigurationError, SkiplockError
 from skiplock.migrate import available_migrations, migrate, pending_migrations
+from skiplock.tasks import MAX_QUEUE_NAME, check_name
 from skiplock.types import Job
 
 
@@ -178,6 +179,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
                 state=args.state,
                 queue=args.queue,
                 task=args.task,
+                older_than=args.older_than,
                 limit=args.limit,
             )
             if args.json:
@@ -195,17 +197,76 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             job = client.get_job(conn, app.schema, args.id)
             print(json.dumps(_job_dict(job), indent=2, default=str))
             return 0
-        if args.jobs_command == "retry":
-            client.retry_job(conn, app.schema, args.id)
-            conn.commit()
-            print(f"job {args.id} is available again")
-            return 0
-        if args.jobs_command == "cancel":
-            client.cancel_job(conn, app.schema, args.id)
-            conn.commit()
-            print(f"job {args.id} cancelled")
-            return 0
+        return _jobs_change(args, conn, app.schema)
     raise AssertionError(args.jobs_command)
+
+
+_CHANGES = {
+    "retry": (client.retry_jobs, "made available again"),
+    "cancel": (client.cancel_jobs, "cancelled"),
+    "delete": (client.delete_jobs, "deleted"),
+}
+
+
+def _jobs_change(args: argparse.Namespace, conn: psycopg.Connection[Any], schema: str) -> int:
+    """retry / cancel / delete: one job by id, or every job matching filters (--all),
+    after a confirmation unless --yes. Running jobs are never touched."""
+    change, done = _CHANGES[args.jobs_command]
+    if args.id is not None:
+        if args.all:
+            raise ConfigurationError("give a job id or --all with filters, not both")
+        {"retry": client.retry_job, "cancel": client.cancel_job, "delete": client.delete_job}[
+            args.jobs_command
+        ](conn, schema, args.id)
+        conn.commit()
+        print(f"job {args.id} {done}")
+        return 0
+    if not args.all:
+        raise ConfigurationError(
+            f"`jobs {args.jobs_command}` needs a job id, or --all with filters "
+            "(--state, --queue, --task, --older-than)"
+        )
+    ids = client.select_job_ids(
+        conn,
+        schema,
+        state=args.state,
+        queue=args.queue,
+        task=args.task,
+        older_than=args.older_than,
+    )
+    if not ids:
+        print("no jobs match")
+        return 0
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise ConfigurationError(
+                f"{len(ids)} jobs match; pass --yes to {args.jobs_command} them without a prompt"
+            )
+        answer = input(f"{args.jobs_command} {len(ids)} jobs? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing changed")
+            return 1
+    count = change(conn, schema, ids)
+    conn.commit()
+    print(
+        f"{count} of {len(ids)} jobs {done}"
+        + (" (the rest were running)" if count < len(ids) else "")
+    )
+    return 0
+
+
+def cmd_queues(args: argparse.Namespace) -> int:
+    app = App(args.database_url, schema=args.schema)
+    with app.connect(autocommit=True) as conn:
+        if args.queues_command == "list":
+            paused = client.paused_queues(conn, app.schema)
+            print("paused: " + (", ".join(paused) if paused else "none"))
+            return 0
+        check_name("queue", args.queue, MAX_QUEUE_NAME)
+        paused = args.queues_command == "pause"
+        client.set_queue_paused(conn, app.schema, args.queue, paused=paused)
+    print(f"queue {args.queue} {'paused: no new claims' if paused else 'resumed'}")
+    return 0
 
 
 def status_alerts(
@@ -381,20 +442,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("jobs", help="list, show, retry or cancel jobs")
     jobs = p.add_subparsers(dest="jobs_command", required=True)
-    q = jobs.add_parser("list")
-    q.add_argument("--state", choices=["scheduled", "available", "running", "retryable", "dead"])
-    q.add_argument("--queue")
-    q.add_argument("--task")
+    states = ["scheduled", "available", "running", "retryable", "dead"]
+
+    def add_filters(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--state", choices=states)
+        q.add_argument("--queue")
+        q.add_argument("--task")
+        q.add_argument("--older-than", type=float, metavar="SECONDS", help="by creation time")
+
+    q = jobs.add_parser("list", help="live jobs (history is not listed)")
+    add_filters(q)
     q.add_argument("--limit", type=int, default=100)
     q.add_argument("--json", action="store_true")
+    q = jobs.add_parser("show", help="show one job, live or finished, with every error")
+    q.add_argument("id", type=int)
     for name, text in (
-        ("show", "show one job, with every error"),
-        ("retry", "send a dead or waiting job back to its queue with fresh attempts"),
-        ("cancel", "cancel a job that is not running"),
+        ("retry", "send dead or waiting jobs back to their queue with fresh attempts"),
+        ("cancel", "cancel jobs that are not running (they move to history)"),
+        ("delete", "delete jobs that are not running, leaving no history"),
     ):
         q = jobs.add_parser(name, help=text)
-        q.add_argument("id", type=int)
+        q.add_argument("id", type=int, nargs="?", help="one job; or use --all with filters")
+        q.add_argument("--all", action="store_true", help="every job matching the filters")
+        add_filters(q)
+        q.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     p.set_defaults(func=cmd_jobs)
+
+    p = sub.add_parser("queues", help="pause, resume and list paused queues")
+    queues = p.add_subparsers(dest="queues_command", required=True)
+    for name, text in (
+        ("pause", "stop claiming from a queue (running jobs finish)"),
+        ("resume", "claim from a paused queue again"),
+    ):
+        q = queues.add_parser(name, help=text)
+        q.add_argument("queue")
+    queues.add_parser("list", help="list paused queues")
+    p.set_defaults(func=cmd_queues)
 
     p = sub.add_parser(
         "demo", help="run the seed lesson's scenario: 400 jobs, 4 workers, a SIGKILLed worker"

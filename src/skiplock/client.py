@@ -143,32 +143,91 @@ def list_jobs(
     state: str | None = None,
     queue: str | None = None,
     task: str | None = None,
+    older_than: float | None = None,
     limit: int = 100,
 ) -> list[Job]:
+    """Live jobs (not history) matching every filter given; ``older_than`` in seconds."""
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(
             render(admin.JOB_LIST, schema),
-            {"state": state, "queue": queue, "task": task, "limit": limit},
+            {
+                "state": state,
+                "queue": queue,
+                "task": task,
+                "older_than": older_than,
+                "limit": limit,
+            },
         ).fetchall()
     return [job_from_row(r) for r in rows]
 
 
-def retry_job(conn: Conn, schema: str, job_id: int) -> None:
-    """Send a dead (or waiting) job back to its queue with fresh attempts."""
-    row = conn.execute(
-        render(admin.JOB_RETRY, schema), {"id": job_id, "channel": notify_channel(schema)}
-    ).fetchone()
-    if row is None:
+def select_job_ids(
+    conn: Conn,
+    schema: str,
+    *,
+    state: str | None = None,
+    queue: str | None = None,
+    task: str | None = None,
+    older_than: float | None = None,
+) -> list[int]:
+    """Ids of the live jobs a bulk retry, cancel or delete would act on."""
+    rows = conn.execute(
+        render(admin.JOB_SELECT_IDS, schema),
+        {"state": state, "queue": queue, "task": task, "older_than": older_than},
+    ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def retry_jobs(conn: Conn, schema: str, ids: Sequence[int]) -> int:
+    """Send dead (or waiting) jobs back to their queues with fresh attempts; running jobs
+    are left alone. Returns how many moved."""
+    rows = conn.execute(
+        render(admin.JOB_RETRY, schema), {"ids": list(ids), "channel": notify_channel(schema)}
+    ).fetchall()
+    return sum(int(r[1]) for r in rows)
+
+
+def cancel_jobs(conn: Conn, schema: str, ids: Sequence[int]) -> int:
+    """Cancel jobs that are not running: they move to history as cancelled."""
+    return len(
+        conn.execute(render(admin.JOB_CANCEL_WAITING, schema), {"ids": list(ids)}).fetchall()
+    )
+
+
+def delete_jobs(conn: Conn, schema: str, ids: Sequence[int]) -> int:
+    """Remove jobs that are not running, leaving no history."""
+    return len(conn.execute(render(admin.JOB_DELETE, schema), {"ids": list(ids)}).fetchall())
+
+
+def _one(done: int, conn: Conn, schema: str, job_id: int, verb: str) -> None:
+    if done == 0:
         job = get_job(conn, schema, job_id)  # raises JobNotFoundError when there is none
-        raise JobNotFoundError(f"job {job_id} is {job.state}; only waiting or dead jobs retry")
+        raise JobNotFoundError(f"job {job_id} is {job.state}; only jobs not running can {verb}")
+
+
+def retry_job(conn: Conn, schema: str, job_id: int) -> None:
+    _one(retry_jobs(conn, schema, [job_id]), conn, schema, job_id, "be retried")
 
 
 def cancel_job(conn: Conn, schema: str, job_id: int) -> None:
-    """Cancel a job that is not running; it moves to history as cancelled."""
-    row = conn.execute(render(admin.JOB_CANCEL_WAITING, schema), {"id": job_id}).fetchone()
-    if row is None:
-        job = get_job(conn, schema, job_id)
-        raise JobNotFoundError(f"job {job_id} is {job.state}; only waiting or dead jobs cancel")
+    _one(cancel_jobs(conn, schema, [job_id]), conn, schema, job_id, "be cancelled")
+
+
+def delete_job(conn: Conn, schema: str, job_id: int) -> None:
+    _one(delete_jobs(conn, schema, [job_id]), conn, schema, job_id, "be deleted")
+
+
+def set_queue_paused(conn: Conn, schema: str, queue: str, *, paused: bool) -> None:
+    """Pause (no claims from the next one on) or resume a queue; resuming wakes workers."""
+    conn.execute(render(admin.QUEUE_SET_PAUSED, schema), {"queue": queue, "paused": paused})
+    if not paused:
+        conn.execute(
+            render(admin.QUEUE_WAKE, schema), {"queue": queue, "channel": notify_channel(schema)}
+        )
+
+
+def paused_queues(conn: Conn, schema: str) -> list[str]:
+    return [str(r[0]) for r in conn.execute(render(admin.QUEUE_LIST_PAUSED, schema)).fetchall()]
 
 
 def queue_stats(conn: Conn, schema: str) -> list[dict[str, Any]]:

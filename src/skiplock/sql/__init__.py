@@ -20,6 +20,7 @@ def render(template: str, schema: str) -> str:
         history=sql.Identifier(schema, "job_history"),
         workers=sql.Identifier(schema, "workers"),
         leader=sql.Identifier(schema, "leader"),
+        queues=sql.Identifier(schema, "queues"),
         schema=sql.Identifier(schema),
     )
     return composed.as_string(None)

@@ -22,6 +22,8 @@ FROM {jobs}
 WHERE (%(state)s::text IS NULL OR state = %(state)s)
   AND (%(queue)s::text IS NULL OR queue = %(queue)s)
   AND (%(task)s::text IS NULL OR task = %(task)s)
+  AND (%(older_than)s::float8 IS NULL
+       OR created_at < now() - %(older_than)s * interval '1 second')
 ORDER BY id
 LIMIT %(limit)s
 """
@@ -35,7 +37,8 @@ WITH moved AS (
     UPDATE {jobs}
     SET state = 'available', retry_at = now(), attempts = 0, worker_id = NULL,
         lease_expires_at = NULL
-    WHERE id = %(id)s AND state IN ('dead', 'retryable', 'scheduled', 'available')
+    WHERE id = ANY(%(ids)s::bigint[])
+      AND state IN ('dead', 'retryable', 'scheduled', 'available')
     RETURNING queue, priority, run_at
 )"""
     + NOTIFY_MOVED
@@ -44,7 +47,8 @@ WITH moved AS (
 JOB_CANCEL_WAITING = """
 WITH gone AS (
     DELETE FROM {jobs}
-    WHERE id = %(id)s AND state IN ('scheduled', 'available', 'retryable', 'dead')
+    WHERE id = ANY(%(ids)s::bigint[])
+      AND state IN ('scheduled', 'available', 'retryable', 'dead')
     RETURNING *
 )
 INSERT INTO {history} (id, queue, task, args, state, priority, attempts, max_attempts, errors,
@@ -53,6 +57,42 @@ SELECT id, queue, task, args, 'cancelled', priority, attempts, max_attempts, err
        NULL, unique_key, ordering_key, created_at, attempted_at
 FROM gone
 RETURNING id
+"""
+
+# Gone for good: no history row. Running jobs are refused (cancel them first).
+JOB_DELETE = """
+DELETE FROM {jobs}
+WHERE id = ANY(%(ids)s::bigint[]) AND state <> 'running'
+RETURNING id
+"""
+
+# Ids for the bulk forms of retry, cancel and delete: the same filters as JOB_LIST.
+JOB_SELECT_IDS = """
+SELECT id FROM {jobs}
+WHERE (%(state)s::text IS NULL OR state = %(state)s)
+  AND (%(queue)s::text IS NULL OR queue = %(queue)s)
+  AND (%(task)s::text IS NULL OR task = %(task)s)
+  AND (%(older_than)s::float8 IS NULL
+       OR created_at < now() - %(older_than)s * interval '1 second')
+ORDER BY id
+"""
+
+# Pausing is checked inside the claim statement, so it takes effect for the next claim.
+# Resuming wakes the queue's workers in the usual payload format.
+QUEUE_SET_PAUSED = """
+INSERT INTO {queues} (name, paused) VALUES (%(queue)s, %(paused)s)
+ON CONFLICT (name) DO UPDATE SET paused = EXCLUDED.paused, updated_at = now()
+"""
+
+QUEUE_WAKE = """
+SELECT pg_notify(%(channel)s, %(queue)s || E'\\t' || min(priority) || E'\\t'
+                              || extract(epoch FROM min(run_at)))
+FROM {jobs} WHERE queue = %(queue)s AND state = 'available'
+HAVING count(*) > 0
+"""
+
+QUEUE_LIST_PAUSED = """
+SELECT name FROM {queues} WHERE paused ORDER BY name
 """
 
 # Monitoring figures per queue. The oldest ready age counts from when the job became due

@@ -11,7 +11,8 @@ WORKER_SESSION_OPTIONS = "-c synchronous_commit=off"
 # them running in the same statement; the caller commits at once. The CTE is what makes
 # LIMIT bind: a bare UPDATE ... WHERE id IN (SELECT ... LIMIT) may be planned to update
 # more rows than the limit. The inner ORDER BY matches the jobs_claim index exactly.
-# run_at <= now() guards rows inserted by hand as 'available' with a future run_at.
+# run_at <= now() guards rows inserted by hand as 'available' with a future run_at. The
+# paused check is a single primary-key lookup, evaluated once per claim.
 # attempts + 1 becomes this attempt's fencing token.
 JOB_CLAIM_BATCH = """
 WITH picked AS (
@@ -21,6 +22,7 @@ WITH picked AS (
       AND state = 'available'
       AND run_at <= now()
       AND task <> ALL(%(exclude_tasks)s::text[])
+      AND NOT EXISTS (SELECT 1 FROM {queues} WHERE name = %(queue)s AND paused)
     ORDER BY priority, run_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -63,6 +65,7 @@ WHERE queue = %(queue)s
   AND state = 'available'
   AND run_at <= now()
   AND task = ANY(%(tasks)s::text[])
+  AND NOT EXISTS (SELECT 1 FROM {queues} WHERE name = %(queue)s AND paused)
 ORDER BY priority, run_at, id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
