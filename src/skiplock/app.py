@@ -9,8 +9,10 @@ import psycopg
 
 from skiplock import client
 from skiplock.config import DEFAULT_SCHEMA, SCHEMA_ENV, resolve_database_url, validate_schema
+from skiplock.cron import MISSED_POLICIES, parse_cron
 from skiplock.errors import ConfigurationError, UnknownTaskError
 from skiplock.migrate import Migration, check_schema_ready, migrate
+from skiplock.periodic import Periodic
 from skiplock.tasks import MAX_TASK_NAME, JobSpec, Task, check_name, parse_task_options
 
 R = TypeVar("R")
@@ -29,6 +31,7 @@ class App:
         self.schema = validate_schema(schema or os.environ.get(SCHEMA_ENV) or DEFAULT_SCHEMA)
         self._database_url = database_url
         self.tasks: dict[str, Task[Any]] = {}
+        self.periodics: dict[str, Periodic] = {}
 
     def configure(self, *, database_url: str | None = None, schema: str | None = None) -> None:
         """Point an already-defined App elsewhere (the CLI's --database-url and --schema)."""
@@ -71,6 +74,35 @@ class App:
             return registered
 
         return register(fn) if fn is not None else register
+
+    def periodic(
+        self,
+        cron: str,
+        *,
+        args: dict[str, Any] | None = None,
+        timezone: str | None = None,
+        missed: str = "latest",
+        **options: Any,
+    ) -> Callable[[Callable[..., R]], Task[R]]:
+        """Register a handler and enqueue it on a cron schedule, once per tick across all
+        workers (the elected leader enqueues). ``args`` are fixed arguments; ``missed``
+        says what to do with ticks missed while no worker ran: ``latest`` (enqueue the
+        most recent), ``all`` (each, at most 100) or ``skip``. Other options are the
+        task's. A bad expression fails here, at definition time."""
+        schedule = parse_cron(cron, timezone)
+        if missed not in MISSED_POLICIES:
+            raise ConfigurationError(
+                f"missed={missed!r}: choose one of {', '.join(MISSED_POLICIES)}"
+            )
+        fixed = dict(args or {})
+
+        def register(func: Callable[..., R]) -> Task[R]:
+            registered = self.task(**options)(func)
+            registered.job(**fixed)  # the fixed arguments must fit the handler, now
+            self.periodics[registered.name] = Periodic(registered, schedule, fixed, missed)
+            return registered
+
+        return register
 
     def get_task(self, name: str) -> Task[Any]:
         try:

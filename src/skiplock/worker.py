@@ -31,6 +31,7 @@ from skiplock.errors import ConfigurationError, SchemaNotReadyError
 from skiplock.leadership import Leadership
 from skiplock.migrate import pending_migrations
 from skiplock.notifier import Notifier
+from skiplock.periodic import enqueue_due
 from skiplock.producer import Producer, Slots
 from skiplock.retry import RetryPolicy
 from skiplock.sql import claim, complete, maintenance, render
@@ -529,6 +530,9 @@ class Worker:
                 if not self.leadership.is_leader(loop.time()):
                     await asyncio.sleep(min(self.rescue_interval, heartbeat_every))
                     continue
+                if self.app.periodics:
+                    async with pool.connection() as conn:
+                        await enqueue_due(conn, self.app)
                 statements = [maintenance.JOB_RESCUE_ORPHANED]
                 if now >= next_expired:
                     next_expired = now + expired_every

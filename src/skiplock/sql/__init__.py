@@ -21,6 +21,7 @@ def render(template: str, schema: str) -> str:
         workers=sql.Identifier(schema, "workers"),
         leader=sql.Identifier(schema, "leader"),
         queues=sql.Identifier(schema, "queues"),
+        periodic=sql.Identifier(schema, "periodic"),
         schema=sql.Identifier(schema),
     )
     return composed.as_string(None)
