@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -89,6 +89,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
         lease_seconds=args.lease,
         shutdown_timeout=args.shutdown_timeout,
         liveness_lock=not args.no_liveness_lock,
+        history_retention=(
+            None
+            if args.history_retention_days <= 0
+            else timedelta(days=args.history_retention_days)
+        ),
     )
     worker.run()
     return 0
@@ -361,6 +366,22 @@ def cmd_status(args: argparse.Namespace) -> int:
             time.sleep(args.watch)
 
 
+def cmd_prune(args: argparse.Namespace) -> int:
+    from skiplock import history  # noqa: PLC0415
+
+    app = App(args.database_url, schema=args.schema)
+    retention = None if args.keep_forever else timedelta(days=args.retention_days)
+    with app.connect(autocommit=True) as conn:
+        report = history.maintain(conn, app.schema, retention=retention)
+    print(
+        f"history partitions created: {', '.join(report.created) or 'none'}; "
+        f"dropped: {', '.join(report.dropped) or 'none'}; "
+        f"rows pruned from the default partition: {report.pruned_rows}"
+        + (f"; skipped (locked or in use): {', '.join(report.skipped)}" if report.skipped else "")
+    )
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from skiplock import demo  # noqa: PLC0415
 
@@ -434,6 +455,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-interval", type=float, default=1.0, help="fallback poll seconds")
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
     p.add_argument(
+        "--history-retention-days",
+        type=float,
+        default=7.0,
+        help="drop finished jobs older than this (0 keeps them forever; default 7)",
+    )
+    p.add_argument(
         "--no-liveness-lock",
         action="store_true",
         help="behind a transaction-mode pooler (PgBouncer): rescue by lease expiry only",
@@ -478,6 +505,15 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("queue")
     queues.add_parser("list", help="list paused queues")
     p.set_defaults(func=cmd_queues)
+
+    p = sub.add_parser(
+        "prune",
+        help="create history partitions ahead and drop those past retention "
+        "(the worker's leader does this every minute)",
+    )
+    p.add_argument("--retention-days", type=float, default=7.0)
+    p.add_argument("--keep-forever", action="store_true", help="only create partitions")
+    p.set_defaults(func=cmd_prune)
 
     p = sub.add_parser(
         "demo", help="run the seed lesson's scenario: 400 jobs, 4 workers, a SIGKILLed worker"

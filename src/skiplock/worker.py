@@ -16,13 +16,14 @@ import socket
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 from uuid import UUID, uuid4
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from skiplock import executor
+from skiplock import executor, history
 from skiplock.app import App
 from skiplock.completer import Completer
 from skiplock.config import notify_channel
@@ -74,6 +75,8 @@ class Worker:
         rescue_interval: float = 1.0,
         sweep_interval: float = 5.0,
         leader_ttl: float = 10.0,
+        history_retention: timedelta | None = timedelta(days=7),
+        history_interval: float = 60.0,
         completer_interval: float = 0.002,
         liveness_lock: bool = True,
     ) -> None:
@@ -96,6 +99,8 @@ class Worker:
         self.rescue_interval = rescue_interval
         self.sweep_interval = sweep_interval
         self.leader_ttl = leader_ttl
+        self.history_retention = history_retention
+        self.history_interval = history_interval
         self.completer_interval = completer_interval
         self.liveness_lock = liveness_lock
         self.id: UUID = uuid4()
@@ -512,6 +517,7 @@ class Worker:
         next_heartbeat = loop.time() + heartbeat_every
         next_expired = loop.time()
         next_election = loop.time()
+        next_history = loop.time()
         elect = render(maintenance.LEADER_ELECT, schema)
         while True:
             try:
@@ -533,6 +539,16 @@ class Worker:
                 if self.app.periodics:
                     async with pool.connection() as conn:
                         await enqueue_due(conn, self.app)
+                if now >= next_history:
+                    next_history = now + self.history_interval
+                    report = await asyncio.to_thread(self._maintain_history)
+                    if report.created or report.dropped or report.pruned_rows:
+                        log.info(
+                            "history: created %s, dropped %s, pruned %d rows",
+                            report.created,
+                            report.dropped,
+                            report.pruned_rows,
+                        )
                 statements = [maintenance.JOB_RESCUE_ORPHANED]
                 if now >= next_expired:
                     next_expired = now + expired_every
@@ -550,6 +566,10 @@ class Worker:
                 self.leadership.lose()
                 log.warning("maintenance failed (%s); will retry", exc)
             await asyncio.sleep(min(self.rescue_interval, heartbeat_every))
+
+    def _maintain_history(self) -> history.HistoryReport:
+        with psycopg.connect(self.app.database_url, autocommit=True) as conn:
+            return history.maintain(conn, self.app.schema, retention=self.history_retention)
 
     async def _promote(self, pool: AsyncConnectionPool[Any], wake: asyncio.Event) -> None:
         """Make scheduled and retryable jobs available when due, sleeping until the next

@@ -1,0 +1,146 @@
+"""Keeping the history table's size bounded: partitions ahead, expired ones dropped.
+
+Runs on the elected leader (and from ``skiplock prune``). Each step commits on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from datetime import date, datetime, timedelta, timezone
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from skiplock.sql import history, render
+
+log = logging.getLogger("skiplock.history")
+
+DAYS_AHEAD = 3
+_NAME = re.compile(r"^job_history_p(\d{8})$")
+DDL_LOCK_TIMEOUT_MS = "1000"
+PRUNE_BATCH = 5000
+
+
+@dataclass
+class HistoryReport:
+    created: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    pruned_rows: int = 0
+    skipped: list[str] = field(default_factory=list)
+
+
+def partition_name(day: date) -> str:
+    return f"job_history_p{day:%Y%m%d}"
+
+
+def partition_day(name: str) -> date | None:
+    """The day a partition holds, from its name; None for DEFAULT and foreign tables."""
+    match = _NAME.match(name)
+    if not match:
+        return None
+    try:
+        return datetime.strptime(match[1], "%Y%m%d").date()
+    except ValueError:
+        return None
+
+
+def plan(
+    existing: list[str],
+    now: datetime,
+    retention: timedelta | None,
+    days_ahead: int = DAYS_AHEAD,
+) -> tuple[list[date], list[str]]:
+    """Days to create partitions for, and partitions to drop; pure.
+
+    A partition is dropped once everything it can hold (up to the end of its day) is
+    older than the retention.
+    """
+    today = now.astimezone(timezone.utc).date()
+    have = set(existing)
+    create = [
+        today + timedelta(days=n)
+        for n in range(days_ahead + 1)
+        if partition_name(today + timedelta(days=n)) not in have
+    ]
+    drop = []
+    if retention is not None:
+        cutoff = now - retention
+        for name in existing:
+            day = partition_day(name)
+            if day is not None:
+                ends = datetime(day.year, day.month, day.day, tzinfo=timezone.utc)
+                if ends + timedelta(days=1) <= cutoff:
+                    drop.append(name)
+    return create, drop
+
+
+def maintain(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    *,
+    retention: timedelta | None,
+    now: datetime | None = None,
+) -> HistoryReport:
+    """Create partitions ahead, drop expired ones, prune the DEFAULT partition.
+
+    ``conn`` must be in autocommit mode. ``retention`` None keeps history forever.
+    """
+    report = HistoryReport()
+    table = f'"{schema}".job_history'
+    rows = conn.execute(render(history.HISTORY_PARTITIONS, schema), {"history": table}).fetchall()
+    existing = [str(r[0]) for r in rows]
+    if now is None:
+        row = conn.execute("SELECT now()").fetchone()
+        assert row is not None
+        now = row[0]
+    assert now is not None
+    create, drop = plan(existing, now, retention)
+    parent = sql.Identifier(schema, "job_history")
+    for day in create:
+        name = partition_name(day)
+        starts = datetime(day.year, day.month, day.day, tzinfo=timezone.utc)
+        statement = sql.SQL(history.HISTORY_PARTITION_CREATE).format(
+            partition=sql.Identifier(schema, name),
+            history=parent,
+            starts=sql.Literal(starts),
+            ends=sql.Literal(starts + timedelta(days=1)),
+        )
+        if _ddl(conn, statement, name, report):
+            report.created.append(name)
+    for name in drop:
+        statement = sql.SQL(history.HISTORY_PARTITION_DROP).format(
+            partition=sql.Identifier(schema, name)
+        )
+        if _ddl(conn, statement, name, report):
+            report.dropped.append(name)
+    if retention is not None:
+        prune = sql.SQL(history.HISTORY_PRUNE_DEFAULT_BATCH).format(
+            history_default=sql.Identifier(schema, "job_history_default")
+        )
+        while True:
+            cur = conn.execute(
+                prune, {"retention": retention.total_seconds(), "batch": PRUNE_BATCH}
+            )
+            report.pruned_rows += cur.rowcount
+            if cur.rowcount < PRUNE_BATCH:
+                break
+    return report
+
+
+def _ddl(
+    conn: psycopg.Connection[Any], statement: sql.Composed, name: str, report: HistoryReport
+) -> bool:
+    try:
+        with conn.transaction():
+            conn.execute(history.HISTORY_LOCK_TIMEOUT, {"ms": DDL_LOCK_TIMEOUT_MS})
+            conn.execute(statement)
+        return True
+    except (psycopg.errors.LockNotAvailable, psycopg.errors.CheckViolation) as exc:
+        # LockNotAvailable: a long transaction holds job_history; try again later.
+        # CheckViolation: rows for that day already sit in DEFAULT; they are pruned there.
+        log.warning("history partition %s skipped: %s", name, str(exc).strip())
+        report.skipped.append(name)
+        return False

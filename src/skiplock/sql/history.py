@@ -1,0 +1,41 @@
+"""History retention: daily partitions created ahead, dropped when expired; the DEFAULT
+partition (rows that arrived before their partition existed) pruned in batches.
+
+Partition DDL takes a strong lock on job_history. It runs with a short lock_timeout, so
+that waiting behind a long transaction can never make completions queue behind it;
+maintenance simply tries again next time.
+"""
+
+# Partitions of job_history. Their day is in their name (job_history_pYYYYMMDD, as
+# created by the migration and by maintenance); others are left alone.
+HISTORY_PARTITIONS = """
+SELECT c.relname
+FROM pg_inherits AS i
+JOIN pg_class AS c ON c.oid = i.inhrelid
+WHERE i.inhparent = %(history)s::regclass
+ORDER BY c.relname
+"""
+
+HISTORY_LOCK_TIMEOUT = """
+SELECT set_config('lock_timeout', %(ms)s, true)
+"""
+
+# Identifiers and bounds are composed by the caller (DDL takes no parameters).
+HISTORY_PARTITION_CREATE = """
+CREATE TABLE IF NOT EXISTS {partition} PARTITION OF {history}
+FOR VALUES FROM ({starts}) TO ({ends})
+"""
+
+HISTORY_PARTITION_DROP = """
+DROP TABLE IF EXISTS {partition}
+"""
+
+# The fallback for rows in the DEFAULT partition: a bounded batch per transaction, so a
+# large backlog never becomes one long-running delete.
+HISTORY_PRUNE_DEFAULT_BATCH = """
+DELETE FROM {history_default}
+WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM {history_default}
+    WHERE finished_at < now() - %(retention)s * interval '1 second'
+    LIMIT %(batch)s))
+"""
