@@ -81,6 +81,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     app = _app_from_args(args)
     queues = [q.strip() for q in args.queues.split(",") if q.strip()]
+    metrics = None
+    if args.metrics_port:
+        try:
+            from skiplock.metrics import PrometheusMetrics  # noqa: PLC0415
+
+            metrics = PrometheusMetrics(app.database_url, app.schema)
+        except ImportError:
+            raise ConfigurationError(
+                "--metrics-port needs prometheus_client: pip install 'skiplock[metrics]'"
+            ) from None
+        metrics.serve(args.metrics_port)
     worker = Worker(
         app,
         queues=queues,
@@ -89,6 +100,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         lease_seconds=args.lease,
         shutdown_timeout=args.shutdown_timeout,
         liveness_lock=not args.no_liveness_lock,
+        metrics=metrics,
         history_retention=(
             None
             if args.history_retention_days <= 0
@@ -454,6 +466,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease", type=float, default=30.0, help="lease seconds (default 30)")
     p.add_argument("--poll-interval", type=float, default=1.0, help="fallback poll seconds")
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on this port (needs the metrics extra)",
+    )
     p.add_argument(
         "--history-retention-days",
         type=float,

@@ -59,12 +59,14 @@ class Completer:
         interval: float = 0.002,
         max_batch: int = 2000,
         on_retry_written: Callable[[], None] = lambda: None,
+        on_flush: Callable[[int, int], None] = lambda batch, refused: None,
     ) -> None:
         self._pool = pool
         self._worker_id = worker_id
         self._interval = interval
         self._max_batch = max_batch
         self._on_retry_written = on_retry_written
+        self._on_flush = on_flush
         self._complete_sql = render(complete.JOB_COMPLETE_MANY_IF_LEASED, schema)
         self._fail_sql = render(complete.JOB_FAIL_MANY_IF_LEASED, schema)
         self._durable_sql = render(complete.DURABLE_COMMIT_ON, schema)
@@ -144,6 +146,7 @@ class Completer:
                 written.update(r[0] for r in await cur.fetchall())
         del self._pending[: len(batch)]
         self.stats.flushes += 1
+        self._on_flush(len(batch), len(batch) - len(written))
         if any(o.delay > 0 and not o.dead for o in failed):
             self._on_retry_written()
         for outcome in batch:

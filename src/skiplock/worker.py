@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import socket
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from skiplock.config import notify_channel
 from skiplock.cursor import ClaimCursor, Wakeup
 from skiplock.errors import ConfigurationError, SchemaNotReadyError
 from skiplock.leadership import Leadership
+from skiplock.metrics import NullMetrics
 from skiplock.migrate import pending_migrations
 from skiplock.notifier import Notifier
 from skiplock.periodic import enqueue_due
@@ -79,6 +81,7 @@ class Worker:
         history_interval: float = 60.0,
         completer_interval: float = 0.002,
         liveness_lock: bool = True,
+        metrics: NullMetrics | None = None,
     ) -> None:
         if not queues:
             raise ConfigurationError("a worker needs at least one queue")
@@ -101,6 +104,7 @@ class Worker:
         self.leader_ttl = leader_ttl
         self.history_retention = history_retention
         self.history_interval = history_interval
+        self.metrics = metrics or NullMetrics()
         self.completer_interval = completer_interval
         self.liveness_lock = liveness_lock
         self.id: UUID = uuid4()
@@ -169,6 +173,7 @@ class Worker:
             interval=self.completer_interval,
             max_batch=max(2 * self.concurrency, 100),
             on_retry_written=promote_wake.set,
+            on_flush=self.metrics.flushed,
         )
         setup = None
         if self.liveness_lock:
@@ -367,6 +372,8 @@ class Worker:
                 rows = await cur.fetchall()
             slots.take(len(rows))
             self.stats.claimed += len(rows)
+            if rows:
+                self.metrics.claimed(queue, len(rows))
             # Columns 4, 5 and 0 are priority, run_at and id: the claim order.
             cursor.advance([(row[4], row[5], row[0]) for row in rows])
             for row in rows:
@@ -379,7 +386,16 @@ class Worker:
 
     async def _run_leased(self, job: ClaimedJob, threads: ThreadPoolExecutor, slots: Slots) -> None:
         try:
+            started = time.perf_counter()
             outcome = await executor.run_leased(self.app, job, threads, rng=self._rng)
+            kind = "completed" if outcome.error is None else "dead" if outcome.dead else "retried"
+            self.metrics.job_finished(job.queue, job.task, kind, time.perf_counter() - started)
+            log.debug(
+                "job %s %s",
+                job.id,
+                kind,
+                extra={"job_id": job.id, "task": job.task, "attempt": job.attempts},
+            )
             assert self.completer is not None
             if self._leased.get(job.id, (None,))[0] == job.attempts:
                 self.completer.add(outcome)
@@ -560,6 +576,7 @@ class Worker:
                         cur = await conn.execute(render(statement, schema), params)
                         rescued += sum(int(row[1]) for row in await cur.fetchall())
                 if rescued:
+                    self.metrics.rescued(rescued)
                     self.stats.rescued += rescued
                     log.warning("rescued %d jobs of dead workers or expired leases", rescued)
             except psycopg.OperationalError as exc:
