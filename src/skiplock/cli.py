@@ -394,6 +394,24 @@ def cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from skiplock import doctor  # noqa: PLC0415
+
+    app = App(args.database_url, schema=args.schema)
+    limits = doctor.Limits(long_transaction_seconds=args.long_transaction)
+    with app.connect(autocommit=True) as conn:
+        findings = doctor.run(conn, app.schema, limits)
+    if args.json:
+        print(json.dumps([f.__dict__ for f in findings]))
+    else:
+        marks = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL"}
+        for f in findings:
+            print(f"[{marks[f.level]}] {f.check}: {f.message}")
+            if f.fix and f.level != "ok":
+                print(f"       fix: {f.fix}")
+    return 1 if any(f.level == "fail" for f in findings) else 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from skiplock import demo  # noqa: PLC0415
 
@@ -522,6 +540,21 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("queue")
     queues.add_parser("list", help="list paused queues")
     p.set_defaults(func=cmd_queues)
+
+    p = sub.add_parser(
+        "doctor",
+        help="check the database for what makes queues slow or stuck, and say what to do",
+        description="Exits 1 when a check fails (warnings alone exit 0).",
+    )
+    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--long-transaction",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="warn about transactions open longer than this (default %(default)s)",
+    )
+    p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser(
         "prune",

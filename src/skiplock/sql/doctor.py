@@ -1,0 +1,88 @@
+"""The queries behind ``skiplock doctor``; each is also usable on its own (see
+docs/operations.md)."""
+
+# Per-table autovacuum switch and dead tuples of skiplock's tables.
+DOCTOR_TABLES = """
+SELECT c.relname,
+       coalesce(c.reloptions, '{{}}') AS reloptions,
+       s.n_live_tup, s.n_dead_tup, s.last_autovacuum, s.last_vacuum
+FROM pg_class AS c
+JOIN pg_namespace AS n ON n.oid = c.relnamespace
+LEFT JOIN pg_stat_user_tables AS s ON s.relid = c.oid
+WHERE n.nspname = %(schema)s AND c.relname IN ('jobs', 'workers', 'leader')
+ORDER BY c.relname
+"""
+
+DOCTOR_AUTOVACUUM = """
+SELECT current_setting('autovacuum')
+"""
+
+# The session whose snapshot is oldest: while it stays open, VACUUM can remove no row
+# version newer than it, anywhere in the database.
+DOCTOR_OLDEST_XMIN = """
+SELECT pid, usename, application_name, state,
+       extract(epoch FROM now() - xact_start)::float8 AS xact_seconds,
+       age(backend_xmin) AS xmin_age, left(query, 120) AS query
+FROM pg_stat_activity
+WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid() AND xact_start IS NOT NULL
+ORDER BY age(backend_xmin) DESC
+LIMIT 1
+"""
+
+DOCTOR_PREPARED_AND_SLOTS = """
+SELECT (SELECT count(*) FROM pg_prepared_xacts) AS prepared,
+       (SELECT count(*) FROM pg_replication_slots
+        WHERE xmin IS NOT NULL OR catalog_xmin IS NOT NULL) AS slots_holding_xmin
+"""
+
+DOCTOR_NOTIFY_QUEUE = """
+SELECT pg_notification_queue_usage()
+"""
+
+# Listening sessions (a listener that never reads makes the notification queue grow).
+DOCTOR_LISTENERS = """
+SELECT count(*) FILTER (WHERE query ILIKE 'LISTEN%%') AS listeners,
+       max(extract(epoch FROM now() - state_change)) FILTER (
+           WHERE query ILIKE 'LISTEN%%' AND state = 'idle in transaction')::float8
+           AS stuck_seconds
+FROM pg_stat_activity
+WHERE datname = current_database()
+"""
+
+DOCTOR_STALE_WORKERS = """
+SELECT count(*) FROM {workers} WHERE last_seen_at < now() - %(stale)s * interval '1 second'
+"""
+
+DOCTOR_INVALID_INDEXES = """
+SELECT c.relname
+FROM pg_index AS i
+JOIN pg_class AS c ON c.oid = i.indexrelid
+JOIN pg_namespace AS n ON n.oid = c.relnamespace
+WHERE n.nspname = %(schema)s AND NOT i.indisvalid
+"""
+
+DOCTOR_INDEX_SIZES = """
+SELECT c.relname, pg_relation_size(c.oid) AS bytes
+FROM pg_class AS c
+JOIN pg_namespace AS n ON n.oid = c.relnamespace
+WHERE n.nspname = %(schema)s AND c.relname IN ('jobs_claim', 'jobs_running', 'jobs_waiting')
+"""
+
+DOCTOR_JOBS_LIVE = """
+SELECT count(*) FROM {jobs}
+"""
+
+DOCTOR_HISTORY_DEFAULT_ROWS = """
+SELECT count(*) FROM {history_default}
+"""
+
+# Transactional-mode jobs hold a row lock (FOR UPDATE) on jobs for as long as they run.
+DOCTOR_LONG_TRANSACTIONAL = """
+SELECT a.pid, extract(epoch FROM now() - a.xact_start)::float8 AS seconds,
+       a.application_name
+FROM pg_locks AS l
+JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.relation = %(jobs)s::regclass AND l.mode = 'RowShareLock'
+  AND a.xact_start < now() - %(limit)s * interval '1 second'
+ORDER BY a.xact_start
+"""
