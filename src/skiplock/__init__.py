@@ -8,12 +8,15 @@ from skiplock.context import current_job
 from skiplock.errors import (
     ConfigurationError,
     EnqueueError,
+    JobFailedError,
     JobNotFoundError,
     Retry,
     SchemaNotReadyError,
     SkiplockError,
+    Snooze,
     UnknownTaskError,
 )
+from skiplock.results import JobRef
 from skiplock.retry import RetryPolicy
 from skiplock.tasks import JobSpec, Task
 from skiplock.types import ClaimedJob, Job, JobState
@@ -25,13 +28,16 @@ __all__ = [
     "ConfigurationError",
     "EnqueueError",
     "Job",
+    "JobFailedError",
     "JobNotFoundError",
+    "JobRef",
     "JobSpec",
     "JobState",
     "Retry",
     "RetryPolicy",
     "SchemaNotReadyError",
     "SkiplockError",
+    "Snooze",
     "Task",
     "UnknownTaskError",
     "Worker",

@@ -124,10 +124,21 @@ class App:
             check_schema_ready(conn, self.schema)
 
     def enqueue_many(self, conn: psycopg.Connection[Any], jobs: Sequence[JobSpec]) -> list[int]:
-        """Insert many jobs in one statement in ``conn``'s transaction. Returns their ids."""
+        """Insert many jobs at COPY speed in ``conn``'s transaction. Returns their ids."""
         return client.insert_jobs(conn, self.schema, jobs)
 
     async def enqueue_many_async(
         self, conn: psycopg.AsyncConnection[Any], jobs: Sequence[JobSpec]
     ) -> list[int]:
         return await client.insert_jobs_async(conn, self.schema, jobs)
+
+    def result(self, job_id: int, timeout: float | None = None) -> Any:
+        """Wait for a job's result (JobFailedError if it ends dead or cancelled)."""
+        from skiplock.results import wait_for_result  # noqa: PLC0415
+
+        return wait_for_result(self, job_id, timeout)
+
+    async def result_async(self, job_id: int, timeout: float | None = None) -> Any:
+        from skiplock.results import wait_for_result_async  # noqa: PLC0415
+
+        return await wait_for_result_async(self, job_id, timeout)

@@ -136,6 +136,15 @@ def get_job(conn: Conn, schema: str, job_id: int) -> Job:
     return job_from_row(row)
 
 
+async def get_job_async(conn: AsyncConn, schema: str, job_id: int) -> Job:
+    async with conn.cursor(row_factory=dict_row) as cur:
+        await cur.execute(render(admin.JOB_GET, schema), {"id": job_id})
+        row = await cur.fetchone()
+    if row is None:
+        raise JobNotFoundError(f"no job with id {job_id}")
+    return job_from_row(row)
+
+
 def list_jobs(
     conn: Conn,
     schema: str,

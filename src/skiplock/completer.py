@@ -18,6 +18,7 @@ from uuid import UUID
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
+from skiplock.config import done_channel
 from skiplock.retry import RetryPolicy
 from skiplock.sql import complete, render
 
@@ -36,12 +37,14 @@ class Outcome:
     error: dict[str, Any] | None = None
     dead: bool = False
     delay: float = 0.0
+    snooze: bool = False
 
 
 @dataclass
 class CompleterStats:
     completed: int = 0
     retried: int = 0
+    snoozed: int = 0
     dead: int = 0
     refused: int = 0
     flushes: int = 0
@@ -70,6 +73,9 @@ class Completer:
         self._complete_sql = render(complete.JOB_COMPLETE_MANY_IF_LEASED, schema)
         self._fail_sql = render(complete.JOB_FAIL_MANY_IF_LEASED, schema)
         self._durable_sql = render(complete.DURABLE_COMMIT_ON, schema)
+        self._snooze_sql = render(complete.JOB_SNOOZE_MANY_IF_LEASED, schema)
+        self._done_sql = render(complete.JOBS_DONE_NOTIFY, schema)
+        self._done_channel = done_channel(schema)
         self._pending: list[Outcome] = []
         self._ready = asyncio.Event()
         self._drained = asyncio.Event()
@@ -115,8 +121,9 @@ class Completer:
             self._ready.clear()
             self._drained.set()
             return
-        done = [o for o in batch if o.error is None]
+        done = [o for o in batch if o.error is None and not o.snooze]
         failed = [o for o in batch if o.error is not None]
+        snoozed = [o for o in batch if o.snooze]
         written: set[int] = set()
         async with self._pool.connection() as conn, conn.transaction():
             await conn.execute(self._durable_sql)
@@ -144,10 +151,23 @@ class Completer:
                     },
                 )
                 written.update(r[0] for r in await cur.fetchall())
+            if snoozed:
+                cur = await conn.execute(
+                    self._snooze_sql,
+                    {
+                        "ids": [o.job_id for o in snoozed],
+                        "attempts": [o.attempt for o in snoozed],
+                        "delays": [o.delay for o in snoozed],
+                        "worker_id": self._worker_id,
+                    },
+                )
+                written.update(r[0] for r in await cur.fetchall())
+            # One wake-up per flush for anyone awaiting a result (client.wait_for_result).
+            await conn.execute(self._done_sql, {"channel": self._done_channel})
         del self._pending[: len(batch)]
         self.stats.flushes += 1
         self._on_flush(len(batch), len(batch) - len(written))
-        if any(o.delay > 0 and not o.dead for o in failed):
+        if any(o.delay > 0 and not o.dead for o in failed + snoozed):
             self._on_retry_written()
         for outcome in batch:
             if outcome.job_id not in written:
@@ -158,6 +178,8 @@ class Completer:
                     outcome.job_id,
                     outcome.attempt,
                 )
+            elif outcome.snooze:
+                self.stats.snoozed += 1
             elif outcome.error is None:
                 self.stats.completed += 1
             elif outcome.dead:

@@ -36,6 +36,11 @@ def validate_schema(name: str) -> str:
     return name
 
 
+def done_channel(schema: str) -> str:
+    """Notified once per batch of written outcomes, for callers awaiting results."""
+    return f"{schema}.done"
+
+
 def notify_channel(schema: str) -> str:
     """The LISTEN/NOTIFY channel; the insert trigger builds the same name from its schema."""
     return f"{schema}.jobs"

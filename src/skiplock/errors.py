@@ -29,6 +29,22 @@ class JobNotFoundError(SkiplockError, LookupError):
     """No live job has that id (it may have finished and moved to history)."""
 
 
+class JobFailedError(SkiplockError):
+    """A job whose result was awaited ended dead or cancelled instead of completed."""
+
+
+class Snooze(Exception):  # noqa: N818 - raised by handlers; reads as an instruction
+    """Raise from a handler to put its job back for ``after`` without using an attempt.
+
+    For "not yet" rather than "failed": waiting on a resource, a rate limit, a window.
+    The job goes to the back of its queue once the delay has passed.
+    """
+
+    def __init__(self, after: float | timedelta | datetime) -> None:
+        super().__init__(f"snoozed for {after}")
+        self.after = after
+
+
 class Retry(Exception):  # noqa: N818 - raised by handlers; reads as an instruction
     """Raise from a handler to fail this attempt and run again after ``after``.
 

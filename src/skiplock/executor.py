@@ -23,8 +23,9 @@ import psycopg
 
 from skiplock.app import App
 from skiplock.completer import Outcome
+from skiplock.config import done_channel
 from skiplock.context import set_current_job
-from skiplock.errors import Retry, UnknownTaskError
+from skiplock.errors import Retry, Snooze, UnknownTaskError
 from skiplock.retry import RetryPolicy, decide_failure, retry_at_from
 from skiplock.sql import claim, complete, render
 from skiplock.types import ClaimedJob
@@ -69,7 +70,11 @@ def failure_outcome(
     now: datetime,
     rng: random.Random,
 ) -> Outcome:
-    """Retry later (with back-off, or when the handler asked) or dead; pure."""
+    """Retry later (with back-off, or when the handler asked) or dead; a Snooze instead
+    puts the job back without counting the attempt. Pure."""
+    if isinstance(exc, Snooze):
+        until = retry_at_from(exc.after, now) or now
+        return Outcome(job_id, attempt, snooze=True, delay=max((until - now).total_seconds(), 0))
     retry_at = retry_at_from(exc.after, now) if isinstance(exc, Retry) else None
     decision = decide_failure(
         attempt=attempt,
@@ -159,12 +164,21 @@ def _transactional_step(
         }
     policy = app.tasks[job.task].options.retry
     outcome = failure_outcome(job.id, attempt, job.max_attempts, policy, exc, now, rng)
+    if outcome.snooze:
+        return render(complete.JOB_SNOOZE_LOCKED, app.schema), {
+            "id": job.id,
+            "delay": outcome.delay,
+        }
     return render(complete.JOB_FAIL_LOCKED, app.schema), {
         "id": job.id,
         "dead": outcome.dead,
         "delay": outcome.delay,
         "error": json.dumps(outcome.error),
     }
+
+
+def _done_notify(app: App) -> tuple[str, dict[str, Any]]:
+    return render(complete.JOBS_DONE_NOTIFY, app.schema), {"channel": done_channel(app.schema)}
 
 
 def _lock_params(queue: str, tasks: Sequence[str], limit: int) -> dict[str, Any]:
@@ -209,6 +223,8 @@ async def run_transactional_async(
                 exc = failure
             statement, params = _transactional_step(app, job, exc, result, clock(), rng)
             await conn.execute(statement, params)
+        if jobs:
+            await conn.execute(*_done_notify(app))
     return len(jobs)
 
 
@@ -245,4 +261,6 @@ def run_transactional_sync(
                 exc = failure
             statement, params = _transactional_step(app, job, exc, result, clock(), rng)
             conn.execute(statement, params)
+        if jobs:
+            conn.execute(*_done_notify(app))
     return len(jobs)

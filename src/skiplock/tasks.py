@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import psycopg
 
     from skiplock.app import App
+    from skiplock.results import JobRef
 
 R = TypeVar("R")
 
@@ -242,11 +243,12 @@ class Task(Generic[R]):
         """A validated job for ``App.enqueue_many``."""
         return self._default_call.job(**args)
 
-    def enqueue(self, conn: psycopg.Connection[Any], /, **args: Any) -> int:
-        """Insert the job in ``conn``'s current transaction; never commits. Returns its id."""
+    def enqueue(self, conn: psycopg.Connection[Any], /, **args: Any) -> JobRef:
+        """Insert the job in ``conn``'s current transaction; never commits. Returns its id
+        (a ``JobRef``: an int that can also wait for the job's result)."""
         return self._default_call.enqueue(conn, **args)
 
-    async def enqueue_async(self, conn: psycopg.AsyncConnection[Any], /, **args: Any) -> int:
+    async def enqueue_async(self, conn: psycopg.AsyncConnection[Any], /, **args: Any) -> JobRef:
         """Async twin of ``enqueue``."""
         return await self._default_call.enqueue_async(conn, **args)
 
@@ -297,12 +299,16 @@ class TaskCall(Generic[R]):
             delay=float(self.delay),
         )
 
-    def enqueue(self, conn: psycopg.Connection[Any], /, **args: Any) -> int:
+    def enqueue(self, conn: psycopg.Connection[Any], /, **args: Any) -> JobRef:
         from skiplock import client  # noqa: PLC0415 - client imports tasks
+        from skiplock.results import JobRef  # noqa: PLC0415
 
-        return client.insert_job(conn, self.task.app.schema, self.job(**args))
+        app = self.task.app
+        return JobRef(client.insert_job(conn, app.schema, self.job(**args)), app)
 
-    async def enqueue_async(self, conn: psycopg.AsyncConnection[Any], /, **args: Any) -> int:
+    async def enqueue_async(self, conn: psycopg.AsyncConnection[Any], /, **args: Any) -> JobRef:
         from skiplock import client  # noqa: PLC0415
+        from skiplock.results import JobRef  # noqa: PLC0415
 
-        return await client.insert_job_async(conn, self.task.app.schema, self.job(**args))
+        app = self.task.app
+        return JobRef(await client.insert_job_async(conn, app.schema, self.job(**args)), app)

@@ -66,6 +66,36 @@ WHERE j.id = o.id
 RETURNING j.id
 """
 
+# "Not yet": the handler raised Snooze. Back of the queue after the delay, and the attempt
+# is given back: nothing failed.
+JOB_SNOOZE_MANY_IF_LEASED = """
+UPDATE {jobs} AS j
+SET state = CASE WHEN o.delay > 0 THEN 'scheduled' ELSE 'available' END,
+    run_at = now() + o.delay * interval '1 second',
+    retry_at = NULL,
+    attempts = j.attempts - 1,
+    worker_id = NULL,
+    lease_expires_at = NULL
+FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(delays)s::float8[])
+     AS o(id, attempt, delay)
+WHERE j.id = o.id
+  AND j.attempts = o.attempt
+  AND j.worker_id = %(worker_id)s
+RETURNING j.id
+"""
+
+JOB_SNOOZE_LOCKED = """
+UPDATE {jobs}
+SET state = CASE WHEN %(delay)s > 0 THEN 'scheduled' ELSE 'available' END,
+    run_at = now() + %(delay)s * interval '1 second'
+WHERE id = %(id)s AND state = 'available'
+RETURNING id
+"""
+
+JOBS_DONE_NOTIFY = """
+SELECT pg_notify(%(channel)s, '')
+"""
+
 # Graceful shutdown ran out of time: the attempt was cut short, not failed, so it is
 # given back, and the job is available at once.
 JOB_RELEASE_MANY_IF_LEASED = """

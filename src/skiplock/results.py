@@ -1,0 +1,89 @@
+"""Waiting for a job's result: woken by the completer's per-flush notification, with a
+slow poll as the fallback (the notification is only a wake-up, as everywhere here)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import sql
+
+from skiplock import client
+from skiplock.config import done_channel
+from skiplock.errors import JobFailedError
+from skiplock.types import Job, JobState
+
+if TYPE_CHECKING:
+    from skiplock.app import App
+
+POLL_SECONDS = 1.0
+
+
+def _settled(job: Job) -> bool:
+    if job.state is JobState.COMPLETED:
+        return True
+    if job.state in (JobState.DEAD, JobState.CANCELLED):
+        raise JobFailedError(
+            f"job {job.id} ({job.task}) is {job.state}"
+            + (f"; last error {job.last_error}" if job.last_error else "")
+        )
+    return False
+
+
+def _timed_out(job_id: int, timeout: float | None) -> TimeoutError:
+    return TimeoutError(f"job {job_id} did not finish within {timeout}s")
+
+
+def wait_for_result(app: App, job_id: int, timeout: float | None = None) -> Any:
+    """The job's stored result once it completes; JobFailedError if it ends dead or
+    cancelled; TimeoutError after ``timeout`` seconds (None waits for ever)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with psycopg.connect(app.database_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(done_channel(app.schema))))
+        while True:
+            job = client.get_job(conn, app.schema, job_id)
+            if _settled(job):
+                return job.result
+            wait = (
+                POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - time.monotonic())
+            )
+            if wait <= 0:
+                raise _timed_out(job_id, timeout)
+            for _ in conn.notifies(timeout=wait, stop_after=1):
+                pass
+
+
+async def wait_for_result_async(app: App, job_id: int, timeout: float | None = None) -> Any:
+    """Async twin of ``wait_for_result``."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    async with await psycopg.AsyncConnection.connect(app.database_url, autocommit=True) as conn:
+        await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(done_channel(app.schema))))
+        while True:
+            job = await client.get_job_async(conn, app.schema, job_id)
+            if _settled(job):
+                return job.result
+            wait = (
+                POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - time.monotonic())
+            )
+            if wait <= 0:
+                raise _timed_out(job_id, timeout)
+            async for _ in conn.notifies(timeout=wait, stop_after=1):
+                pass
+
+
+class JobRef(int):
+    """A job id (it is an int) that can also wait for the job's result."""
+
+    app: App
+
+    def __new__(cls, job_id: int, app: App) -> JobRef:
+        ref = super().__new__(cls, job_id)
+        ref.app = app
+        return ref
+
+    def result(self, timeout: float | None = None) -> Any:
+        return wait_for_result(self.app, int(self), timeout)
+
+    async def result_async(self, timeout: float | None = None) -> Any:
+        return await wait_for_result_async(self.app, int(self), timeout)
