@@ -4,7 +4,7 @@ Enqueue in your own transaction; workers claim with FOR UPDATE SKIP LOCKED.
 """
 
 from skiplock.app import App
-from skiplock.context import current_job
+from skiplock.context import cancel_requested, current_job, set_progress
 from skiplock.errors import (
     ConfigurationError,
     EnqueueError,
@@ -41,7 +41,9 @@ __all__ = [
     "Task",
     "UnknownTaskError",
     "Worker",
+    "cancel_requested",
     "current_job",
+    "set_progress",
 ]
 
 __version__ = "0.1.0"

@@ -183,6 +183,8 @@ def _job_dict(job: Job) -> dict[str, Any]:
         "worker_id": str(job.worker_id) if job.worker_id else None,
         "errors": job.errors,
         "result": job.result,
+        "progress": job.progress,
+        "cancel_requested_at": _fmt_time(job.cancel_requested_at),
     }
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from skiplock.config import notify_channel
+from skiplock.config import control_channel, notify_channel
 from skiplock.errors import JobNotFoundError
 from skiplock.sql import admin, enqueue, render
 from skiplock.tasks import JobSpec
@@ -125,6 +125,8 @@ def job_from_row(row: dict[str, Any]) -> Job:
         attempted_at=row["attempted_at"],
         finished_at=row["finished_at"],
         result=row["result"],
+        progress=row["progress"],
+        cancel_requested_at=row["cancel_requested_at"],
     )
 
 
@@ -197,10 +199,15 @@ def retry_jobs(conn: Conn, schema: str, ids: Sequence[int]) -> int:
 
 
 def cancel_jobs(conn: Conn, schema: str, ids: Sequence[int]) -> int:
-    """Cancel jobs that are not running: they move to history as cancelled."""
-    return len(
-        conn.execute(render(admin.JOB_CANCEL_WAITING, schema), {"ids": list(ids)}).fetchall()
-    )
+    """Cancel jobs: waiting and dead ones move to history as cancelled at once; for
+    running (lease-mode) ones the worker is asked to stop them, and it records the
+    cancellation. Returns how many were cancelled or asked to stop."""
+    waiting = conn.execute(render(admin.JOB_CANCEL_WAITING, schema), {"ids": list(ids)}).fetchall()
+    running = conn.execute(
+        render(admin.JOB_CANCEL_RUNNING, schema),
+        {"ids": list(ids), "channel": control_channel(schema)},
+    ).fetchall()
+    return len(waiting) + len(running)
 
 
 def delete_jobs(conn: Conn, schema: str, ids: Sequence[int]) -> int:

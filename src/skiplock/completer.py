@@ -38,6 +38,7 @@ class Outcome:
     dead: bool = False
     delay: float = 0.0
     snooze: bool = False
+    cancelled: bool = False
 
 
 @dataclass
@@ -45,6 +46,7 @@ class CompleterStats:
     completed: int = 0
     retried: int = 0
     snoozed: int = 0
+    cancelled: int = 0
     dead: int = 0
     refused: int = 0
     flushes: int = 0
@@ -74,6 +76,7 @@ class Completer:
         self._fail_sql = render(complete.JOB_FAIL_MANY_IF_LEASED, schema)
         self._durable_sql = render(complete.DURABLE_COMMIT_ON, schema)
         self._snooze_sql = render(complete.JOB_SNOOZE_MANY_IF_LEASED, schema)
+        self._cancel_sql = render(complete.JOB_CANCEL_MANY_IF_LEASED, schema)
         self._done_sql = render(complete.JOBS_DONE_NOTIFY, schema)
         self._done_channel = done_channel(schema)
         self._pending: list[Outcome] = []
@@ -121,9 +124,10 @@ class Completer:
             self._ready.clear()
             self._drained.set()
             return
-        done = [o for o in batch if o.error is None and not o.snooze]
-        failed = [o for o in batch if o.error is not None]
+        done = [o for o in batch if o.error is None and not o.snooze and not o.cancelled]
+        failed = [o for o in batch if o.error is not None and not o.cancelled]
         snoozed = [o for o in batch if o.snooze]
+        cancelled = [o for o in batch if o.cancelled]
         written: set[int] = set()
         async with self._pool.connection() as conn, conn.transaction():
             await conn.execute(self._durable_sql)
@@ -162,6 +166,16 @@ class Completer:
                     },
                 )
                 written.update(r[0] for r in await cur.fetchall())
+            if cancelled:
+                cur = await conn.execute(
+                    self._cancel_sql,
+                    {
+                        "ids": [o.job_id for o in cancelled],
+                        "attempts": [o.attempt for o in cancelled],
+                        "worker_id": self._worker_id,
+                    },
+                )
+                written.update(r[0] for r in await cur.fetchall())
             # One wake-up per flush for anyone awaiting a result (client.wait_for_result).
             await conn.execute(self._done_sql, {"channel": self._done_channel})
         del self._pending[: len(batch)]
@@ -178,6 +192,8 @@ class Completer:
                     outcome.job_id,
                     outcome.attempt,
                 )
+            elif outcome.cancelled:
+                self.stats.cancelled += 1
             elif outcome.snooze:
                 self.stats.snoozed += 1
             elif outcome.error is None:

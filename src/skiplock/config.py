@@ -41,6 +41,11 @@ def done_channel(schema: str) -> str:
     return f"{schema}.done"
 
 
+def control_channel(schema: str) -> str:
+    """Requests to workers (cancel a running job), as 'verb TAB argument'."""
+    return f"{schema}.control"
+
+
 def notify_channel(schema: str) -> str:
     """The LISTEN/NOTIFY channel; the insert trigger builds the same name from its schema."""
     return f"{schema}.jobs"

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import threading
+from collections.abc import Callable
 from contextvars import ContextVar
+from typing import Any
 
 from skiplock.types import ClaimedJob
 
 _current: ContextVar[ClaimedJob | None] = ContextVar("skiplock_current_job", default=None)
+_cancel: ContextVar[threading.Event | None] = ContextVar("skiplock_cancel", default=None)
+_progress: ContextVar[Callable[[str], None] | None] = ContextVar("skiplock_progress", default=None)
+MAX_PROGRESS_BYTES = 64 * 1024
 
 
 def current_job() -> ClaimedJob:
@@ -17,5 +24,37 @@ def current_job() -> ClaimedJob:
     return job
 
 
-def set_current_job(job: ClaimedJob | None) -> None:
+def cancel_requested() -> bool:
+    """True once someone asked to cancel the running job (``skiplock jobs cancel``).
+
+    Sync handlers cannot be interrupted: long ones should check this now and then and
+    return (or raise) early. Async handlers are cancelled outright.
+    """
+    flag = _cancel.get()
+    return flag is not None and flag.is_set()
+
+
+def set_progress(value: Any) -> None:
+    """Record how far the running job has got (a small JSON value, e.g. {"done": 40,
+    "of": 100}); ``skiplock jobs show`` displays it. Written about once a second, the
+    latest value wins; kept in history when the job finishes. Safe from any handler."""
+    sink = _progress.get()
+    if sink is None:
+        raise RuntimeError("skiplock.set_progress() called outside a running lease-mode job")
+    try:
+        encoded = json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"progress must be JSON: {exc}") from None
+    if len(encoded) > MAX_PROGRESS_BYTES:
+        raise ValueError(f"progress is {len(encoded)} bytes of JSON; keep it under 64 KiB")
+    sink(encoded)
+
+
+def set_current_job(
+    job: ClaimedJob | None,
+    cancel: threading.Event | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> None:
     _current.set(job)
+    _cancel.set(cancel)
+    _progress.set(progress)

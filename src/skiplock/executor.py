@@ -12,6 +12,7 @@ import contextvars
 import json
 import logging
 import random
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -110,14 +111,18 @@ async def run_leased(
     *,
     clock: Clock = utcnow,
     rng: random.Random,
+    cancel: threading.Event | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Outcome:
-    """Run a claimed (lease-mode) job to an outcome. Never raises, except cancellation."""
+    """Run a claimed (lease-mode) job to an outcome. Never raises, except cancellation.
+
+    ``cancel`` is what ``skiplock.cancel_requested()`` reads inside the handler."""
     policy = DEFAULT_POLICY
     try:
         task = app.get_task(job.task)
         policy = task.options.retry
         # Each asyncio task runs in its own context copy, so this is per job.
-        set_current_job(job)
+        set_current_job(job, cancel, progress)
         if task.is_async:
             coro = task.fn(**job.args)
             result = await asyncio.wait_for(coro, task.options.timeout)

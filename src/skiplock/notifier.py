@@ -35,12 +35,14 @@ class Notifier:
         on_connect: Callable[[], None],
         *,
         setup: tuple[str, dict[str, Any]] | None = None,
+        control: tuple[str, Callable[[str], None]] | None = None,
     ) -> None:
         self._url = database_url
         self._channel = channel
         self._on_wakeup = on_wakeup
         self._on_connect = on_connect
         self._setup = setup
+        self._control = control
         self.connected = asyncio.Event()
         self.reconnects = 0
 
@@ -56,6 +58,10 @@ class Notifier:
                     self._url, autocommit=True
                 ) as conn:
                     await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+                    if self._control is not None:
+                        await conn.execute(
+                            sql.SQL("LISTEN {}").format(sql.Identifier(self._control[0]))
+                        )
                     if self._setup is not None:
                         # e.g. the worker's liveness lock: held exactly as long as this
                         # connection lives, so it must be taken on it after each reconnect.
@@ -64,7 +70,10 @@ class Notifier:
                     self.connected.set()
                     self._on_connect()
                     async for note in conn.notifies():
-                        self._on_wakeup(parse_payload(note.payload))
+                        if self._control is not None and note.channel == self._control[0]:
+                            self._control[1](note.payload)
+                        else:
+                            self._on_wakeup(parse_payload(note.payload))
             except psycopg.OperationalError as exc:
                 self.connected.clear()
                 failures += 1

@@ -53,6 +53,8 @@ class Job:
     attempted_at: datetime | None
     finished_at: datetime | None = None
     result: Any = None
+    progress: Any = None
+    cancel_requested_at: datetime | None = None
 
     @property
     def last_error(self) -> str | None:

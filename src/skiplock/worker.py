@@ -13,11 +13,13 @@ import os
 import random
 import signal
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any
 from uuid import UUID, uuid4
 
@@ -26,8 +28,8 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from skiplock import executor, history
 from skiplock.app import App
-from skiplock.completer import Completer
-from skiplock.config import notify_channel
+from skiplock.completer import Completer, Outcome
+from skiplock.config import control_channel, notify_channel
 from skiplock.cursor import ClaimCursor, Wakeup
 from skiplock.errors import ConfigurationError, SchemaNotReadyError
 from skiplock.leadership import Leadership
@@ -119,6 +121,9 @@ class Worker:
         # Lease-mode jobs in flight: id -> (attempt, asyncio task running it).
         self._leased: dict[int, tuple[int, asyncio.Task[None]]] = {}
         self._sessions: set[asyncio.Task[None]] = set()
+        self._cancel_flags: dict[int, threading.Event] = {}
+        self._job_tasks: dict[int, str] = {}
+        self._progress: dict[int, tuple[int, str]] = {}
         self._abandon = asyncio.Event()
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -195,7 +200,12 @@ class Worker:
             promote_wake.set()
 
         self._notifier = notifier = Notifier(
-            url, notify_channel(self.app.schema), on_wakeup, on_connect, setup=setup
+            url,
+            notify_channel(self.app.schema),
+            on_wakeup,
+            on_connect,
+            setup=setup,
+            control=(control_channel(self.app.schema), self._on_control),
         )
         producers: list[Producer] = []
         for queue in self.queues:
@@ -380,15 +390,42 @@ class Worker:
                 job = executor.claimed_from_row(row)
                 task = asyncio.create_task(self._run_leased(job, threads, slots))
                 self._leased[job.id] = (job.attempts, task)
+                self._job_tasks[job.id] = job.task
             return len(rows)
 
         return fetch
 
     async def _run_leased(self, job: ClaimedJob, threads: ThreadPoolExecutor, slots: Slots) -> None:
+        cancel = self._cancel_flags[job.id] = threading.Event()
         try:
             started = time.perf_counter()
-            outcome = await executor.run_leased(self.app, job, threads, rng=self._rng)
-            kind = "completed" if outcome.error is None else "dead" if outcome.dead else "retried"
+            try:
+                outcome = await executor.run_leased(
+                    self.app,
+                    job,
+                    threads,
+                    rng=self._rng,
+                    cancel=cancel,
+                    progress=partial(self._record_progress, job.id, job.attempts),
+                )
+            except asyncio.CancelledError:
+                if not cancel.is_set():
+                    raise  # shutdown, or the lease was lost: no outcome of ours to write
+                outcome = Outcome(job.id, job.attempts, cancelled=True)
+            if cancel.is_set() and outcome.error is not None:
+                # It stopped because it was asked to: a cancellation, not a failure.
+                outcome = Outcome(job.id, job.attempts, cancelled=True)
+            kind = (
+                "cancelled"
+                if outcome.cancelled
+                else "completed"
+                if outcome.error is None and not outcome.snooze
+                else "snoozed"
+                if outcome.snooze
+                else "dead"
+                if outcome.dead
+                else "retried"
+            )
             self.metrics.job_finished(job.queue, job.task, kind, time.perf_counter() - started)
             log.debug(
                 "job %s %s",
@@ -403,7 +440,43 @@ class Worker:
             entry = self._leased.get(job.id)
             if entry is not None and entry[0] == job.attempts:
                 del self._leased[job.id]
+            self._cancel_flags.pop(job.id, None)
+            self._job_tasks.pop(job.id, None)
             slots.give(1)
+
+    def _record_progress(self, job_id: int, attempt: int, encoded: str) -> None:
+        # Called from handler threads too: a dict assignment is atomic under the GIL.
+        self._progress[job_id] = (attempt, encoded)
+
+    async def _write_progress(self, pool: AsyncConnectionPool[Any]) -> None:
+        if not self._progress:
+            return
+        pending, self._progress = self._progress, {}
+        statement = render(complete.JOB_PROGRESS_SET, self.app.schema)
+        async with pool.connection() as conn:
+            for job_id, (attempt, encoded) in pending.items():
+                await conn.execute(
+                    statement,
+                    {"id": job_id, "attempt": attempt, "worker_id": self.id, "progress": encoded},
+                )
+
+    def request_cancel(self, job_id: int) -> None:
+        """Stop a running job of this worker: async handlers are cancelled, sync handlers
+        see ``skiplock.cancel_requested()`` turn true. The job ends cancelled."""
+        flag = self._cancel_flags.get(job_id)
+        entry = self._leased.get(job_id)
+        if flag is None or entry is None or flag.is_set():
+            return
+        flag.set()
+        log.info("cancelling job %s on request", job_id)
+        task = self.app.tasks.get(self._job_tasks.get(job_id, ""))
+        if task is not None and task.is_async:
+            entry[1].cancel()
+
+    def _on_control(self, payload: str) -> None:
+        verb, _, argument = payload.partition("\t")
+        if verb == "cancel" and argument.isdigit():
+            self.request_cancel(int(argument))
 
     # -- transactional mode ------------------------------------------------------------
 
@@ -541,6 +614,7 @@ class Worker:
                 if now >= next_heartbeat:
                     next_heartbeat = now + heartbeat_every
                     await self.heartbeat(pool)
+                await self._write_progress(pool)
                 if now >= next_election:
                     async with pool.connection() as conn:
                         cur = await conn.execute(
@@ -632,7 +706,11 @@ class Worker:
                     "lease_seconds": self.lease_seconds,
                 },
             )
-            kept = {row[0] for row in await cur.fetchall()}
+            rows = await cur.fetchall()
+            kept = {row[0] for row in rows}
+            for job_id, asked in rows:
+                if asked:
+                    self.request_cancel(job_id)  # its notification may have been missed
         for job_id, (attempt, task) in held.items():
             if job_id in kept or self._leased.get(job_id, (None,))[0] != attempt:
                 continue

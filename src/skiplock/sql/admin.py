@@ -5,11 +5,12 @@ from skiplock.sql.maintenance import NOTIFY_MOVED
 JOB_GET = """
 SELECT id, queue, task, args, state, priority, run_at, retry_at, attempts, max_attempts,
        errors, worker_id, lease_expires_at, created_at, attempted_at,
-       NULL::timestamptz AS finished_at, NULL::jsonb AS result
+       NULL::timestamptz AS finished_at, NULL::jsonb AS result, progress,
+       cancel_requested_at
 FROM {jobs} WHERE id = %(id)s
 UNION ALL
 SELECT id, queue, task, args, state, priority, NULL, NULL, attempts, max_attempts,
-       errors, NULL, NULL, created_at, attempted_at, finished_at, result
+       errors, NULL, NULL, created_at, attempted_at, finished_at, result, progress, NULL
 FROM {history} WHERE id = %(id)s
 LIMIT 1
 """
@@ -17,7 +18,8 @@ LIMIT 1
 JOB_LIST = """
 SELECT id, queue, task, args, state, priority, run_at, retry_at, attempts, max_attempts,
        errors, worker_id, lease_expires_at, created_at, attempted_at,
-       NULL::timestamptz AS finished_at, NULL::jsonb AS result
+       NULL::timestamptz AS finished_at, NULL::jsonb AS result, progress,
+       cancel_requested_at
 FROM {jobs}
 WHERE (%(state)s::text IS NULL OR state = %(state)s)
   AND (%(queue)s::text IS NULL OR queue = %(queue)s)
@@ -52,11 +54,23 @@ WITH gone AS (
     RETURNING *
 )
 INSERT INTO {history} (id, queue, task, args, state, priority, attempts, max_attempts, errors,
-                       result, unique_key, ordering_key, created_at, attempted_at)
+                       result, unique_key, ordering_key, created_at, attempted_at, progress)
 SELECT id, queue, task, args, 'cancelled', priority, attempts, max_attempts, errors,
-       NULL, unique_key, ordering_key, created_at, attempted_at
+       NULL, unique_key, ordering_key, created_at, attempted_at, progress
 FROM gone
 RETURNING id
+"""
+
+# Ask the worker running a lease-mode job to stop it. Recorded on the row (heartbeats
+# carry it to the worker if the notification is missed) and announced on the control
+# channel; the worker writes the cancelled outcome.
+JOB_CANCEL_RUNNING = """
+WITH asked AS (
+    UPDATE {jobs} SET cancel_requested_at = coalesce(cancel_requested_at, now())
+    WHERE id = ANY(%(ids)s::bigint[]) AND state = 'running'
+    RETURNING id
+)
+SELECT id, pg_notify(%(channel)s, 'cancel' || E'\\t' || id) FROM asked
 """
 
 # Gone for good: no history row. Running jobs are refused (cancel them first).

@@ -12,7 +12,7 @@ re-run elsewhere: the stale attempt must not overwrite it.
 """
 
 _HISTORY_COLUMNS = """id, queue, task, args, state, priority, attempts, max_attempts, errors,
-                    result, unique_key, ordering_key, created_at, attempted_at"""
+                    result, unique_key, ordering_key, created_at, attempted_at, progress"""
 
 JOB_COMPLETE_MANY_IF_LEASED = (
     """
@@ -29,7 +29,7 @@ INSERT INTO {history} ("""
     + _HISTORY_COLUMNS
     + """)
 SELECT id, queue, task, args, 'completed', priority, attempts, max_attempts, errors,
-       result::jsonb, unique_key, ordering_key, created_at, attempted_at
+       result::jsonb, unique_key, ordering_key, created_at, attempted_at, progress
 FROM done
 RETURNING id
 """
@@ -54,8 +54,34 @@ WHERE j.id = o.id
 RETURNING j.id
 """
 
+# A running job whose cancellation was requested ends here: into history as cancelled,
+# with the reason among its errors.
+JOB_CANCEL_MANY_IF_LEASED = (
+    """
+WITH done AS (
+    DELETE FROM {jobs} AS j
+    USING unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS o(id, attempt)
+    WHERE j.id = o.id
+      AND j.attempts = o.attempt
+      AND j.worker_id = %(worker_id)s
+    RETURNING j.*
+)
+INSERT INTO {history} ("""
+    + _HISTORY_COLUMNS
+    + """)
+SELECT id, queue, task, args, 'cancelled', priority, attempts, max_attempts,
+       errors || jsonb_build_array(jsonb_build_object(
+           'attempt', attempts, 'at', now(), 'type', 'Cancelled',
+           'message', 'cancelled while running', 'traceback', NULL)),
+       NULL, unique_key, ordering_key, created_at, attempted_at, progress
+FROM done
+RETURNING id
+"""
+)
+
 # Heartbeat for long jobs: push the lease forward for every job this worker still holds.
-# A job missing from RETURNING was rescued: its handler should stop.
+# A job missing from RETURNING was rescued: its handler should stop. A job returned with
+# a cancel request is cancelled (in case its notification was missed).
 JOB_EXTEND_LEASES = """
 UPDATE {jobs} AS j
 SET lease_expires_at = now() + %(lease_seconds)s * interval '1 second'
@@ -63,7 +89,7 @@ FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS o(id, attempt)
 WHERE j.id = o.id
   AND j.attempts = o.attempt
   AND j.worker_id = %(worker_id)s
-RETURNING j.id
+RETURNING j.id, j.cancel_requested_at IS NOT NULL
 """
 
 # "Not yet": the handler raised Snooze. Back of the queue after the delay, and the attempt
@@ -89,6 +115,14 @@ UPDATE {jobs}
 SET state = CASE WHEN %(delay)s > 0 THEN 'scheduled' ELSE 'available' END,
     run_at = now() + %(delay)s * interval '1 second'
 WHERE id = %(id)s AND state = 'available'
+RETURNING id
+"""
+
+# A running job's progress, fenced like any write about it.
+JOB_PROGRESS_SET = """
+UPDATE {jobs}
+SET progress = %(progress)s::jsonb
+WHERE id = %(id)s AND attempts = %(attempt)s AND worker_id = %(worker_id)s
 RETURNING id
 """
 
@@ -144,7 +178,7 @@ INSERT INTO {history} ("""
     + _HISTORY_COLUMNS
     + """)
 SELECT id, queue, task, args, 'completed', priority, attempts + 1, max_attempts, errors,
-       %(result)s::jsonb, unique_key, ordering_key, created_at, now()
+       %(result)s::jsonb, unique_key, ordering_key, created_at, now(), progress
 FROM done
 RETURNING id
 """
