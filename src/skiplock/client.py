@@ -63,23 +63,94 @@ def _reserve_params(schema: str, count: int) -> dict[str, Any]:
     return {"table": f'"{schema}".jobs', "count": count}
 
 
-def insert_job(conn: Conn, schema: str, spec: JobSpec) -> int:
-    row = conn.execute(render(enqueue.JOB_INSERT, schema), _one_params(spec)).fetchone()
-    assert row is not None
-    return int(row[0])
+def _unique_params(spec: JobSpec) -> dict[str, Any]:
+    active = spec.unique_key if spec.unique_scope == "active" else None
+    queued = spec.unique_key if spec.unique_scope == "queued" else None
+    return {**_one_params(spec), "unique_key": active, "unique_queued_key": queued}
 
 
-async def insert_job_async(conn: AsyncConn, schema: str, spec: JobSpec) -> int:
-    cur = await conn.execute(render(enqueue.JOB_INSERT, schema), _one_params(spec))
-    row = await cur.fetchone()
-    assert row is not None
-    return int(row[0])
+def insert_job(conn: Conn, schema: str, spec: JobSpec) -> tuple[int, bool]:
+    """Insert one job; returns (id, inserted). Not inserted: a live job holds its unique
+    key, and the id is that job's."""
+    if spec.unique_key is None:
+        row = conn.execute(render(enqueue.JOB_INSERT, schema), _one_params(spec)).fetchone()
+        assert row is not None
+        return int(row[0]), True
+    params = _unique_params(spec)
+    while True:
+        row = conn.execute(render(enqueue.JOB_INSERT_UNIQUE, schema), params).fetchone()
+        if row is not None:
+            return int(row[0]), True
+        row = conn.execute(render(enqueue.JOB_FIND_UNIQUE, schema), params).fetchone()
+        if row is not None:
+            return int(row[0]), False
+        # The holder finished in between: try the insert again.
+
+
+async def insert_job_async(conn: AsyncConn, schema: str, spec: JobSpec) -> tuple[int, bool]:
+    if spec.unique_key is None:
+        cur = await conn.execute(render(enqueue.JOB_INSERT, schema), _one_params(spec))
+        row = await cur.fetchone()
+        assert row is not None
+        return int(row[0]), True
+    params = _unique_params(spec)
+    while True:
+        cur = await conn.execute(render(enqueue.JOB_INSERT_UNIQUE, schema), params)
+        row = await cur.fetchone()
+        if row is not None:
+            return int(row[0]), True
+        cur = await conn.execute(render(enqueue.JOB_FIND_UNIQUE, schema), params)
+        row = await cur.fetchone()
+        if row is not None:
+            return int(row[0]), False
+
+
+def _many_unique_params(specs: Sequence[JobSpec]) -> dict[str, Any]:
+    return {
+        "queues": [s.queue for s in specs],
+        "tasks": [s.task for s in specs],
+        "args": [s.args_json for s in specs],
+        "priorities": [s.priority for s in specs],
+        "run_ats": [s.run_at for s in specs],
+        "delays": [s.delay for s in specs],
+        "max_attempts": [s.max_attempts for s in specs],
+        "unique_keys": [s.unique_key if s.unique_scope == "active" else None for s in specs],
+        "unique_queued_keys": [s.unique_key if s.unique_scope == "queued" else None for s in specs],
+    }
+
+
+def _ids_in_order(specs: Sequence[JobSpec], by_key: dict[str, int], plain: list[int]) -> list[int]:
+    ids = []
+    plain_iter = iter(plain)
+    for spec in specs:
+        ids.append(by_key[spec.unique_key] if spec.unique_key else next(plain_iter))
+    return ids
+
+
+def _insert_unique_many(conn: Conn, schema: str, specs: Sequence[JobSpec]) -> list[int]:
+    """Unique jobs (and any others in the same batch) in one INSERT ... ON CONFLICT; the
+    ids of duplicates are their holders'. Order follows ``specs``."""
+    rows = conn.execute(
+        render(enqueue.JOB_INSERT_MANY_UNIQUE, schema), _many_unique_params(specs)
+    ).fetchall()
+    by_key = {str(key): int(job_id) for job_id, key in rows if key is not None}
+    plain = [int(job_id) for job_id, key in rows if key is None]
+    missing = sorted({s.unique_key for s in specs if s.unique_key and s.unique_key not in by_key})
+    if missing:
+        found = conn.execute(
+            render(enqueue.JOB_FIND_UNIQUE_MANY, schema), {"keys": missing}
+        ).fetchall()
+        by_key.update({str(key): int(job_id) for job_id, key in found})
+    return _ids_in_order(specs, by_key, plain)
 
 
 def insert_jobs(conn: Conn, schema: str, specs: Sequence[JobSpec]) -> list[int]:
-    """Reserve ids, then COPY: two round trips for any number of jobs."""
+    """Reserve ids, then COPY: two round trips for any number of jobs. A batch with unique
+    jobs goes through INSERT ... ON CONFLICT instead (COPY cannot skip duplicates)."""
     if not specs:
         return []
+    if any(s.unique_key for s in specs):
+        return _insert_unique_many(conn, schema, specs)
     row = conn.execute(
         render(enqueue.JOB_IDS_RESERVE, schema), _reserve_params(schema, len(specs))
     ).fetchone()
@@ -94,6 +165,22 @@ def insert_jobs(conn: Conn, schema: str, specs: Sequence[JobSpec]) -> list[int]:
 async def insert_jobs_async(conn: AsyncConn, schema: str, specs: Sequence[JobSpec]) -> list[int]:
     if not specs:
         return []
+    if any(s.unique_key for s in specs):
+        cur = await conn.execute(
+            render(enqueue.JOB_INSERT_MANY_UNIQUE, schema), _many_unique_params(specs)
+        )
+        rows = await cur.fetchall()
+        by_key = {str(key): int(job_id) for job_id, key in rows if key is not None}
+        plain = [int(job_id) for job_id, key in rows if key is None]
+        missing = sorted(
+            {s.unique_key for s in specs if s.unique_key and s.unique_key not in by_key}
+        )
+        if missing:
+            cur = await conn.execute(
+                render(enqueue.JOB_FIND_UNIQUE_MANY, schema), {"keys": missing}
+            )
+            by_key.update({str(key): int(job_id) for job_id, key in await cur.fetchall()})
+        return _ids_in_order(specs, by_key, plain)
     cur = await conn.execute(
         render(enqueue.JOB_IDS_RESERVE, schema), _reserve_params(schema, len(specs))
     )

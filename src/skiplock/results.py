@@ -73,13 +73,16 @@ async def wait_for_result_async(app: App, job_id: int, timeout: float | None = N
 
 
 class JobRef(int):
-    """A job id (it is an int) that can also wait for the job's result."""
+    """A job id (it is an int) that can also wait for the job's result. ``duplicate`` is
+    True when a live job already held the unique key: this is that job."""
 
     app: App
+    duplicate: bool
 
-    def __new__(cls, job_id: int, app: App) -> JobRef:
+    def __new__(cls, job_id: int, app: App, *, duplicate: bool = False) -> JobRef:
         ref = super().__new__(cls, job_id)
         ref.app = app
+        ref.duplicate = duplicate
         return ref
 
     def result(self, timeout: float | None = None) -> Any:

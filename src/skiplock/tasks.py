@@ -59,10 +59,22 @@ class TaskOptions:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     transactional: bool = False
     timeout: float | None = None
+    # True: the key is the task name and its arguments. A string: that key, for every call.
+    unique: bool | str = False
+    unique_scope: str = "active"
 
 
 _OPTION_NAMES = ("name", *TaskOptions.__dataclass_fields__)
-_CALL_OPTION_NAMES = ("queue", "priority", "max_attempts", "run_at", "delay")
+_CALL_OPTION_NAMES = (
+    "queue",
+    "priority",
+    "max_attempts",
+    "run_at",
+    "delay",
+    "unique_key",
+    "unique_scope",
+)
+UNIQUE_SCOPES = ("active", "queued")
 
 
 def _reject_unknown(given: Mapping[str, object], known: tuple[str, ...], where: str) -> None:
@@ -100,6 +112,7 @@ def parse_task_options(options: Mapping[str, Any]) -> tuple[str | None, TaskOpti
     _check_max_attempts(parsed.max_attempts)
     if not isinstance(parsed.retry, RetryPolicy):
         raise ConfigurationError(f"retry must be a skiplock.RetryPolicy, got {parsed.retry!r}")
+    _check_unique(parsed.unique_scope, parsed.unique)
     if parsed.timeout is not None and not (
         isinstance(parsed.timeout, (int, float)) and parsed.timeout > 0
     ):
@@ -107,6 +120,16 @@ def parse_task_options(options: Mapping[str, Any]) -> tuple[str | None, TaskOpti
             f"timeout must be a positive number of seconds, got {parsed.timeout!r}"
         )
     return name, parsed
+
+
+def _check_unique(scope: object, key: object) -> None:
+    if scope not in UNIQUE_SCOPES:
+        raise ConfigurationError(
+            f"unique_scope={scope!r}: choose 'active' (no duplicate while one waits or "
+            "runs) or 'queued' (no duplicate while one waits)"
+        )
+    if not isinstance(key, (bool, str)) or key == "":
+        raise ConfigurationError(f"a unique key must be a non-empty string, got {key!r}")
 
 
 def _json_problem(value: object, path: str) -> str | None:
@@ -143,6 +166,7 @@ def _json_problem(value: object, path: str) -> str | None:
 
 
 _ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+_KEY_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"), sort_keys=True)
 
 
 def encode_args(task_name: str, args: Mapping[str, Any]) -> str:
@@ -174,6 +198,8 @@ class JobSpec:
     max_attempts: int
     run_at: datetime | None = None
     delay: float = 0.0
+    unique_key: str | None = None
+    unique_scope: str = "active"
 
 
 class Task(Generic[R]):
@@ -263,9 +289,13 @@ class TaskCall(Generic[R]):
     max_attempts: int | None = None
     run_at: datetime | None = None
     delay: float = 0.0
+    unique_key: str | None = None
+    unique_scope: str | None = None
 
     def with_options(self, /, **options: Any) -> TaskCall[R]:
         _reject_unknown(options, _CALL_OPTION_NAMES, "enqueue")
+        if "unique_key" in options or "unique_scope" in options:
+            _check_unique(options.get("unique_scope", "active"), options.get("unique_key") or True)
         if "queue" in options:
             check_name("queue", options["queue"], MAX_QUEUE_NAME)
         if "priority" in options:
@@ -289,9 +319,19 @@ class TaskCall(Generic[R]):
     def job(self, /, **args: Any) -> JobSpec:
         task = self.task
         task.check_args(args)
+        args_json = encode_args(task.name, args)
+        unique_key = self.unique_key
+        if unique_key is None and task.options.unique is not False:
+            # True: the task and its arguments (keys sorted) are the key.
+            option = task.options.unique
+            unique_key = (
+                option if isinstance(option, str) else f"{task.name}:{_KEY_ENCODER.encode(args)}"
+            )
         return JobSpec(
             task=task.name,
-            args_json=encode_args(task.name, args),
+            args_json=args_json,
+            unique_key=unique_key,
+            unique_scope=self.unique_scope or task.options.unique_scope,
             queue=self.queue or task.options.queue,
             priority=task.options.priority if self.priority is None else self.priority,
             max_attempts=self.max_attempts or task.options.max_attempts,
@@ -304,11 +344,13 @@ class TaskCall(Generic[R]):
         from skiplock.results import JobRef  # noqa: PLC0415
 
         app = self.task.app
-        return JobRef(client.insert_job(conn, app.schema, self.job(**args)), app)
+        job_id, inserted = client.insert_job(conn, app.schema, self.job(**args))
+        return JobRef(job_id, app, duplicate=not inserted)
 
     async def enqueue_async(self, conn: psycopg.AsyncConnection[Any], /, **args: Any) -> JobRef:
         from skiplock import client  # noqa: PLC0415
         from skiplock.results import JobRef  # noqa: PLC0415
 
         app = self.task.app
-        return JobRef(await client.insert_job_async(conn, app.schema, self.job(**args)), app)
+        job_id, inserted = await client.insert_job_async(conn, app.schema, self.job(**args))
+        return JobRef(job_id, app, duplicate=not inserted)

@@ -38,7 +38,12 @@ JOB_RETRY = (
 WITH moved AS (
     UPDATE {jobs}
     SET state = 'available', retry_at = now(), attempts = 0, worker_id = NULL,
-        lease_expires_at = NULL
+        lease_expires_at = NULL,
+        -- A dead job held no key; if a newer live job holds it now, this one runs without.
+        unique_key = CASE WHEN EXISTS (
+            SELECT 1 FROM {jobs} AS other
+            WHERE other.unique_key = {jobs}.unique_key AND other.state <> 'dead')
+            THEN NULL ELSE unique_key END
     WHERE id = ANY(%(ids)s::bigint[])
       AND state IN ('dead', 'retryable', 'scheduled', 'available')
     RETURNING queue, priority, run_at

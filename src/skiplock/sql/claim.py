@@ -29,6 +29,8 @@ WITH picked AS (
 )
 UPDATE {jobs} AS j
 SET state = 'running',
+    -- A queued-scope unique key is released for good once the job starts (0007).
+    unique_queued_key = NULL,
     attempts = j.attempts + 1,
     worker_id = %(worker_id)s,
     attempted_at = now(),

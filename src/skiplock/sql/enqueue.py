@@ -10,6 +10,51 @@ FROM (SELECT COALESCE(%(run_at)s, now() + %(delay)s * interval '1 second') AS r)
 RETURNING id
 """
 
+# A unique job: the insert does nothing when a live job in the key's scope holds it. The
+# caller then looks the holder up with JOB_FIND_UNIQUE in a new statement: if the insert
+# waited on a concurrent holder, this statement's snapshot cannot see it.
+JOB_INSERT_UNIQUE = """
+INSERT INTO {jobs} (queue, task, args, priority, run_at, state, max_attempts, unique_key,
+                    unique_queued_key)
+SELECT %(queue)s, %(task)s, %(args)s::jsonb, %(priority)s, r,
+       CASE WHEN r > now() THEN 'scheduled' ELSE 'available' END, %(max_attempts)s,
+       %(unique_key)s, %(unique_queued_key)s
+FROM (SELECT COALESCE(%(run_at)s, now() + %(delay)s * interval '1 second') AS r) AS due
+ON CONFLICT DO NOTHING
+RETURNING id
+"""
+
+JOB_FIND_UNIQUE = """
+SELECT id FROM {jobs}
+WHERE (unique_key = %(unique_key)s AND state <> 'dead')
+   OR (unique_queued_key = %(unique_queued_key)s
+       AND state IN ('scheduled', 'available', 'retryable'))
+LIMIT 1
+"""
+
+# Unique jobs in bulk: one statement for the batch; duplicates (of live jobs, or within
+# the batch) insert nothing, and the caller looks their holders up by key.
+JOB_INSERT_MANY_UNIQUE = """
+INSERT INTO {jobs} (queue, task, args, priority, run_at, state, max_attempts, unique_key,
+                    unique_queued_key)
+SELECT q, t, a::jsonb, p, due, CASE WHEN due > now() THEN 'scheduled' ELSE 'available' END, m,
+       k, qk
+FROM unnest(%(queues)s::text[], %(tasks)s::text[], %(args)s::text[], %(priorities)s::smallint[],
+            %(run_ats)s::timestamptz[], %(delays)s::float8[], %(max_attempts)s::int[],
+            %(unique_keys)s::text[], %(unique_queued_keys)s::text[])
+     AS u(q, t, a, p, r, d, m, k, qk),
+     LATERAL (SELECT COALESCE(r, now() + d * interval '1 second') AS due) AS l
+ON CONFLICT DO NOTHING
+RETURNING id, coalesce(unique_key, unique_queued_key)
+"""
+
+JOB_FIND_UNIQUE_MANY = """
+SELECT id, coalesce(unique_key, unique_queued_key) FROM {jobs}
+WHERE (unique_key = ANY(%(keys)s::text[]) AND state <> 'dead')
+   OR (unique_queued_key = ANY(%(keys)s::text[])
+       AND state IN ('scheduled', 'available', 'retryable'))
+"""
+
 # Bulk enqueue, step one: ids from the table's own sequence (so plain INSERTs never
 # collide with them) and the transaction's now(), which delays and the scheduled/available
 # choice are computed against, exactly as JOB_INSERT does in SQL.
