@@ -108,6 +108,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
         ),
     )
     worker.run()
+    if worker.abandoned_threads:
+        # Python joins worker threads at exit, and a stuck sync handler would keep this
+        # process (and, in transactional mode, its transaction) alive after its job was
+        # released to others. Everything is written and logged: leave now.
+        logging.getLogger("skiplock.worker").warning(
+            "exiting with %d sync handlers still running (abandoned at shutdown)",
+            worker.abandoned_threads,
+        )
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -121,10 +121,14 @@ class Worker:
         # Lease-mode jobs in flight: id -> (attempt, asyncio task running it).
         self._leased: dict[int, tuple[int, asyncio.Task[None]]] = {}
         self._sessions: set[asyncio.Task[None]] = set()
+        self._sync_sessions: set[asyncio.Task[None]] = set()
         self._cancel_flags: dict[int, threading.Event] = {}
         self._job_tasks: dict[int, str] = {}
         self._progress: dict[int, tuple[int, str]] = {}
         self._abandon = asyncio.Event()
+        # Sync handlers still running when shutdown gave up on them. Their threads cannot
+        # be stopped, and Python waits for them at exit: the CLI exits hard instead.
+        self.abandoned_threads = 0
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -227,6 +231,7 @@ class Worker:
                         slots,
                         wake[queue],
                         self._async_session(pool, queue, tx_async[queue], slots),
+                        in_thread=False,
                     )
                 )
             if tx_sync[queue] and sync_pool is not None:
@@ -236,6 +241,7 @@ class Worker:
                         slots,
                         wake[queue],
                         self._sync_session(sync_pool, queue, tx_sync[queue], slots, threads),
+                        in_thread=True,
                     )
                 )
         background = [
@@ -481,7 +487,7 @@ class Worker:
     # -- transactional mode ------------------------------------------------------------
 
     def _session_producer(
-        self, queue: str, slots: Slots, wake: asyncio.Event, start: Any
+        self, queue: str, slots: Slots, wake: asyncio.Event, start: Any, *, in_thread: bool
     ) -> Producer:
         async def fetch(limit: int) -> int:
             claimed: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -489,6 +495,9 @@ class Worker:
             session = asyncio.create_task(start(claimed))
             self._sessions.add(session)
             session.add_done_callback(self._sessions.discard)
+            if in_thread:
+                self._sync_sessions.add(session)
+                session.add_done_callback(self._sync_sessions.discard)
             got = await claimed
             # A full batch means more may be waiting: start another session at once.
             return limit if got >= self.transactional_batch else 0
@@ -742,9 +751,14 @@ class Worker:
             for job_id, (attempt, task) in list(self._leased.items()):
                 if task in still:
                     unfinished[job_id] = attempt
+                    handler = self.app.tasks.get(self._job_tasks.get(job_id, ""))
+                    if handler is None or not handler.is_async:
+                        self.abandoned_threads += 1  # a thread cannot be cancelled
                     del self._leased[job_id]
                     task.cancel()
             for session in self._sessions:
+                if session in still and session in self._sync_sessions:
+                    self.abandoned_threads += 1
                 session.cancel()
         for _ in range(50):
             try:
