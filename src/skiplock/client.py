@@ -119,6 +119,17 @@ def _many_unique_params(specs: Sequence[JobSpec]) -> dict[str, Any]:
     }
 
 
+def _inserted_by_key(
+    specs: Sequence[JobSpec], rows: Sequence[Sequence[Any]]
+) -> tuple[dict[str, int], list[int], list[str]]:
+    """From (id, key) rows: ids by unique key, ids of plain jobs in insert order, and the
+    keys that were not inserted (duplicates, whose holders must be looked up)."""
+    by_key = {str(key): int(job_id) for job_id, key in rows if key is not None}
+    plain = [int(job_id) for job_id, key in rows if key is None]
+    missing = sorted({s.unique_key for s in specs if s.unique_key and s.unique_key not in by_key})
+    return by_key, plain, missing
+
+
 def _ids_in_order(specs: Sequence[JobSpec], by_key: dict[str, int], plain: list[int]) -> list[int]:
     ids = []
     plain_iter = iter(plain)
@@ -133,14 +144,12 @@ def _insert_unique_many(conn: Conn, schema: str, specs: Sequence[JobSpec]) -> li
     rows = conn.execute(
         render(enqueue.JOB_INSERT_MANY_UNIQUE, schema), _many_unique_params(specs)
     ).fetchall()
-    by_key = {str(key): int(job_id) for job_id, key in rows if key is not None}
-    plain = [int(job_id) for job_id, key in rows if key is None]
-    missing = sorted({s.unique_key for s in specs if s.unique_key and s.unique_key not in by_key})
+    by_key, plain, missing = _inserted_by_key(specs, rows)
     if missing:
         found = conn.execute(
             render(enqueue.JOB_FIND_UNIQUE_MANY, schema), {"keys": missing}
         ).fetchall()
-        by_key.update({str(key): int(job_id) for job_id, key in found})
+        by_key.update(_inserted_by_key(specs, found)[0])
     return _ids_in_order(specs, by_key, plain)
 
 
@@ -169,17 +178,12 @@ async def insert_jobs_async(conn: AsyncConn, schema: str, specs: Sequence[JobSpe
         cur = await conn.execute(
             render(enqueue.JOB_INSERT_MANY_UNIQUE, schema), _many_unique_params(specs)
         )
-        rows = await cur.fetchall()
-        by_key = {str(key): int(job_id) for job_id, key in rows if key is not None}
-        plain = [int(job_id) for job_id, key in rows if key is None]
-        missing = sorted(
-            {s.unique_key for s in specs if s.unique_key and s.unique_key not in by_key}
-        )
+        by_key, plain, missing = _inserted_by_key(specs, await cur.fetchall())
         if missing:
             cur = await conn.execute(
                 render(enqueue.JOB_FIND_UNIQUE_MANY, schema), {"keys": missing}
             )
-            by_key.update({str(key): int(job_id) for job_id, key in await cur.fetchall()})
+            by_key.update(_inserted_by_key(specs, await cur.fetchall())[0])
         return _ids_in_order(specs, by_key, plain)
     cur = await conn.execute(
         render(enqueue.JOB_IDS_RESERVE, schema), _reserve_params(schema, len(specs))

@@ -40,6 +40,50 @@ class Outcome:
     snooze: bool = False
     cancelled: bool = False
 
+    @property
+    def kind(self) -> str:
+        """completed, retried, dead, snoozed or cancelled: one word for logs and metrics."""
+        if self.cancelled:
+            return "cancelled"
+        if self.snooze:
+            return "snoozed"
+        if self.error is None:
+            return "completed"
+        return "dead" if self.dead else "retried"
+
+
+# One statement per group of outcomes, each over parallel arrays (sql/complete.py).
+_STATEMENTS = {
+    "completed": complete.JOB_COMPLETE_MANY_IF_LEASED,
+    "failed": complete.JOB_FAIL_MANY_IF_LEASED,
+    "snoozed": complete.JOB_SNOOZE_MANY_IF_LEASED,
+    "cancelled": complete.JOB_CANCEL_MANY_IF_LEASED,
+}
+
+
+def outcome_writes(batch: list[Outcome]) -> list[tuple[str, dict[str, Any]]]:
+    """The statements (by group) and parameters that write ``batch``; pure."""
+    groups: dict[str, list[Outcome]] = {}
+    for outcome in batch:
+        kind = outcome.kind
+        groups.setdefault("failed" if kind in ("retried", "dead") else kind, []).append(outcome)
+    writes = []
+    for group, outcomes in groups.items():
+        params: dict[str, Any] = {
+            "ids": [o.job_id for o in outcomes],
+            "attempts": [o.attempt for o in outcomes],
+        }
+        if group == "completed":
+            params["results"] = [o.result_json for o in outcomes]
+        elif group == "failed":
+            params["dead"] = [o.dead for o in outcomes]
+            params["delays"] = [o.delay for o in outcomes]
+            params["errors"] = [json.dumps(o.error) for o in outcomes]
+        elif group == "snoozed":
+            params["delays"] = [o.delay for o in outcomes]
+        writes.append((group, params))
+    return writes
+
 
 @dataclass
 class CompleterStats:
@@ -72,11 +116,8 @@ class Completer:
         self._max_batch = max_batch
         self._on_retry_written = on_retry_written
         self._on_flush = on_flush
-        self._complete_sql = render(complete.JOB_COMPLETE_MANY_IF_LEASED, schema)
-        self._fail_sql = render(complete.JOB_FAIL_MANY_IF_LEASED, schema)
+        self._sql = {group: render(statement, schema) for group, statement in _STATEMENTS.items()}
         self._durable_sql = render(complete.DURABLE_COMMIT_ON, schema)
-        self._snooze_sql = render(complete.JOB_SNOOZE_MANY_IF_LEASED, schema)
-        self._cancel_sql = render(complete.JOB_CANCEL_MANY_IF_LEASED, schema)
         self._done_sql = render(complete.JOBS_DONE_NOTIFY, schema)
         self._done_channel = done_channel(schema)
         self._pending: list[Outcome] = []
@@ -124,64 +165,18 @@ class Completer:
             self._ready.clear()
             self._drained.set()
             return
-        done = [o for o in batch if o.error is None and not o.snooze and not o.cancelled]
-        failed = [o for o in batch if o.error is not None and not o.cancelled]
-        snoozed = [o for o in batch if o.snooze]
-        cancelled = [o for o in batch if o.cancelled]
         written: set[int] = set()
         async with self._pool.connection() as conn, conn.transaction():
             await conn.execute(self._durable_sql)
-            if done:
-                cur = await conn.execute(
-                    self._complete_sql,
-                    {
-                        "ids": [o.job_id for o in done],
-                        "attempts": [o.attempt for o in done],
-                        "results": [o.result_json for o in done],
-                        "worker_id": self._worker_id,
-                    },
-                )
-                written.update(r[0] for r in await cur.fetchall())
-            if failed:
-                cur = await conn.execute(
-                    self._fail_sql,
-                    {
-                        "ids": [o.job_id for o in failed],
-                        "attempts": [o.attempt for o in failed],
-                        "dead": [o.dead for o in failed],
-                        "delays": [o.delay for o in failed],
-                        "errors": [json.dumps(o.error) for o in failed],
-                        "worker_id": self._worker_id,
-                    },
-                )
-                written.update(r[0] for r in await cur.fetchall())
-            if snoozed:
-                cur = await conn.execute(
-                    self._snooze_sql,
-                    {
-                        "ids": [o.job_id for o in snoozed],
-                        "attempts": [o.attempt for o in snoozed],
-                        "delays": [o.delay for o in snoozed],
-                        "worker_id": self._worker_id,
-                    },
-                )
-                written.update(r[0] for r in await cur.fetchall())
-            if cancelled:
-                cur = await conn.execute(
-                    self._cancel_sql,
-                    {
-                        "ids": [o.job_id for o in cancelled],
-                        "attempts": [o.attempt for o in cancelled],
-                        "worker_id": self._worker_id,
-                    },
-                )
+            for group, params in outcome_writes(batch):
+                cur = await conn.execute(self._sql[group], {**params, "worker_id": self._worker_id})
                 written.update(r[0] for r in await cur.fetchall())
             # One wake-up per flush for anyone awaiting a result (client.wait_for_result).
             await conn.execute(self._done_sql, {"channel": self._done_channel})
         del self._pending[: len(batch)]
         self.stats.flushes += 1
         self._on_flush(len(batch), len(batch) - len(written))
-        if any(o.delay > 0 and not o.dead for o in failed + snoozed):
+        if any(o.kind in ("retried", "snoozed") and o.delay > 0 for o in batch):
             self._on_retry_written()
         for outcome in batch:
             if outcome.job_id not in written:
@@ -192,16 +187,9 @@ class Completer:
                     outcome.job_id,
                     outcome.attempt,
                 )
-            elif outcome.cancelled:
-                self.stats.cancelled += 1
-            elif outcome.snooze:
-                self.stats.snoozed += 1
-            elif outcome.error is None:
-                self.stats.completed += 1
-            elif outcome.dead:
-                self.stats.dead += 1
             else:
-                self.stats.retried += 1
+                kind = outcome.kind
+                setattr(self.stats, kind, getattr(self.stats, kind) + 1)
         if not self._pending:
             self._ready.clear()
             self._drained.set()

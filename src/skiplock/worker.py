@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -54,7 +54,6 @@ class WorkerStats:
     lost_leases: int = 0
     rescued: int = 0
     transactional_completed: int = 0
-    per_task: dict[str, int] = field(default_factory=dict)
 
 
 class Worker:
@@ -421,17 +420,7 @@ class Worker:
             if cancel.is_set() and outcome.error is not None:
                 # It stopped because it was asked to: a cancellation, not a failure.
                 outcome = Outcome(job.id, job.attempts, cancelled=True)
-            kind = (
-                "cancelled"
-                if outcome.cancelled
-                else "completed"
-                if outcome.error is None and not outcome.snooze
-                else "snoozed"
-                if outcome.snooze
-                else "dead"
-                if outcome.dead
-                else "retried"
-            )
+            kind = outcome.kind
             self.metrics.job_finished(job.queue, job.task, kind, time.perf_counter() - started)
             log.debug(
                 "job %s %s",
