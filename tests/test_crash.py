@@ -613,6 +613,10 @@ def test_every_fenced_write_refuses_a_stale_attempt(
             params.update(dead=[False] * n, delays=[0.0] * n, errors=[error] * n)
         elif statement == complete.JOB_EXTEND_LEASES:
             params["lease_seconds"] = 300
+        elif statement == complete.JOB_SNOOZE_MANY_IF_LEASED:
+            params["delays"] = [1.0] * n
+        elif statement == complete.JOB_RELEASE_MANY_IF_LEASED:
+            params["channel"] = f"{SCHEMA}.jobs"
         return conn.execute(render(statement, SCHEMA), params).fetchall()
 
     fenced = [
@@ -620,6 +624,8 @@ def test_every_fenced_write_refuses_a_stale_attempt(
         complete.JOB_FAIL_MANY_IF_LEASED,
         complete.JOB_EXTEND_LEASES,
         complete.JOB_RELEASE_MANY_IF_LEASED,
+        complete.JOB_SNOOZE_MANY_IF_LEASED,
+        complete.JOB_CANCEL_MANY_IF_LEASED,
     ]
     # The old worker's own attempt, the current attempt number from the wrong worker, and
     # the right worker with an old attempt number.

@@ -98,7 +98,11 @@ class App:
 
         def register(func: Callable[..., R]) -> Task[R]:
             registered = self.task(**options)(func)
-            registered.job(**fixed)  # the fixed arguments must fit the handler, now
+            try:
+                registered.job(**fixed)  # the fixed arguments must fit the handler, now
+            except Exception:
+                del self.tasks[registered.name]  # nothing half-registered
+                raise
             self.periodics[registered.name] = Periodic(registered, schedule, fixed, missed)
             return registered
 

@@ -147,6 +147,12 @@ def _supervise(args: argparse.Namespace) -> int:
     ]
     if args.no_liveness_lock:
         command.append("--no-liveness-lock")
+    command += ["--history-retention-days", str(args.history_retention_days)]
+    if args.metrics_port:
+        raise ConfigurationError(
+            "--metrics-port serves one process; with --processes run the workers "
+            "separately, each with its own port"
+        )
     children = [subprocess.Popen(command) for _ in range(args.processes)]
     stopping = False
 
@@ -246,6 +252,14 @@ def _jobs_change(args: argparse.Namespace, conn: psycopg.Connection[Any], schema
     if args.id is not None:
         if args.all:
             raise ConfigurationError("give a job id or --all with filters, not both")
+        if (
+            args.jobs_command == "cancel"
+            and client.get_job(conn, schema, args.id).state == "running"
+        ):
+            client.cancel_job(conn, schema, args.id)
+            conn.commit()
+            print(f"job {args.id} is running: its worker was asked to stop it (it ends cancelled)")
+            return 0
         {"retry": client.retry_job, "cancel": client.cancel_job, "delete": client.delete_job}[
             args.jobs_command
         ](conn, schema, args.id)

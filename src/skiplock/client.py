@@ -309,6 +309,10 @@ def delete_jobs(conn: Conn, schema: str, ids: Sequence[int]) -> int:
 def _one(done: int, conn: Conn, schema: str, job_id: int, verb: str) -> None:
     if done == 0:
         job = get_job(conn, schema, job_id)  # raises JobNotFoundError when there is none
+        if job.finished_at is not None:
+            raise JobNotFoundError(
+                f"job {job_id} has finished ({job.state}) and is in history; it cannot {verb}"
+            )
         raise JobNotFoundError(f"job {job_id} is {job.state}; only jobs not running can {verb}")
 
 

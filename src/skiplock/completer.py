@@ -93,6 +93,7 @@ class CompleterStats:
     cancelled: int = 0
     dead: int = 0
     refused: int = 0
+    dropped: int = 0
     flushes: int = 0
 
 
@@ -157,6 +158,15 @@ class Completer:
                 delay = RECONNECT.delay(failures, rng)
                 log.warning("writing outcomes failed (%s); retrying in %.2fs", exc, delay)
                 await asyncio.sleep(delay)
+            except psycopg.Error:
+                # Not a lost connection: retrying this batch would fail the same way. Drop
+                # it; its jobs' leases expire and they run again (at-least-once).
+                dropped = self._pending[: self._max_batch]
+                del self._pending[: len(dropped)]
+                self.stats.dropped += len(dropped)
+                log.exception(
+                    "could not write %d outcomes; their jobs will run again", len(dropped)
+                )
 
     async def flush(self) -> None:
         """Write everything pending in one transaction. On failure the batch is kept."""
@@ -176,7 +186,7 @@ class Completer:
         del self._pending[: len(batch)]
         self.stats.flushes += 1
         self._on_flush(len(batch), len(batch) - len(written))
-        if any(o.kind in ("retried", "snoozed") and o.delay > 0 for o in batch):
+        if any(o.kind == "retried" or (o.kind == "snoozed" and o.delay > 0) for o in batch):
             self._on_retry_written()
         for outcome in batch:
             if outcome.job_id not in written:

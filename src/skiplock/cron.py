@@ -39,8 +39,9 @@ _FIELDS: tuple[tuple[str, int, int, dict[str, int]], ...] = (
     ("month", 1, 12, _MONTHS),
     ("day of week", 0, 7, _DAYS),
 )
-# How far ahead to look before concluding a schedule never fires (e.g. 30 February).
-_HORIZON_DAYS = 366 * 5
+# How far ahead to look before concluding a schedule never fires (e.g. 30 February). Nine
+# years: after 29 February 2096 the next is in 2104 (2100 is not a leap year).
+_HORIZON_DAYS = 366 * 9
 
 
 def _value(text: str, name: str, low: int, high: int, names: dict[str, int]) -> int:
@@ -156,8 +157,9 @@ def parse_cron(expression: str, tz: str | None = None) -> CronSchedule:
         days=fields[2],
         months=fields[3],
         weekdays=weekdays,
-        days_restricted=parts[2] != "*",
-        weekdays_restricted=parts[4] != "*",
+        # As in Vixie cron, a day field counts as restricted unless it starts with "*".
+        days_restricted=not parts[2].startswith("*"),
+        weekdays_restricted=not parts[4].startswith("*"),
         tz=zone,
     )
     try:
@@ -170,6 +172,23 @@ def parse_cron(expression: str, tz: str | None = None) -> CronSchedule:
 MISSED_POLICIES = ("latest", "all", "skip")
 MAX_CATCH_UP = 100
 SKIP_GRACE = timedelta(seconds=60)
+
+
+def _recent_start(
+    schedule: CronSchedule, last_tick: datetime, now: datetime, wanted: int
+) -> datetime:
+    """A moment at or after ``last_tick`` from which at least ``wanted`` ticks (or all of
+    them) lie before ``now``: after a long outage, only the last few ticks are walked."""
+    window = timedelta(hours=1)
+    while now - window > last_tick:
+        count, tick = 0, schedule.next_after(now - window)
+        while tick <= now and count < wanted:
+            count += 1
+            tick = schedule.next_after(tick)
+        if count >= wanted:
+            return now - window
+        window *= 4
+    return last_tick
 
 
 def due_ticks(
@@ -185,7 +204,8 @@ def due_ticks(
     if last_tick is None:
         return [], now
     due: list[datetime] = []
-    tick = schedule.next_after(last_tick)
+    start = _recent_start(schedule, last_tick, now, MAX_CATCH_UP + 1)
+    tick = schedule.next_after(start)
     while tick <= now:
         due.append(tick)
         if len(due) > MAX_CATCH_UP:

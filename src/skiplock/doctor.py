@@ -63,8 +63,8 @@ def check_autovacuum(conn: Conn, schema: str, limits: Limits) -> list[Finding]:
             )
         )
     rows = conn.execute(render(q.DOCTOR_TABLES, schema), {"schema": schema}).fetchall()
-    for name, options, live, dead, last_auto, _last_manual in rows:
-        if "autovacuum_enabled=false" in options:
+    for name, disabled, live, dead, last_auto, _last_manual in rows:
+        if disabled:
             found.append(
                 Finding(
                     "autovacuum",

@@ -42,7 +42,7 @@ class Snooze(Exception):  # noqa: N818 - raised by handlers; reads as an instruc
 
     def __init__(self, after: float | timedelta | datetime) -> None:
         super().__init__(f"snoozed for {after}")
-        self.after = after
+        self.after = _aware(after, "Snooze")
 
 
 class Retry(Exception):  # noqa: N818 - raised by handlers; reads as an instruction
@@ -54,5 +54,16 @@ class Retry(Exception):  # noqa: N818 - raised by handlers; reads as an instruct
 
     def __init__(self, after: float | timedelta | datetime | None = None, reason: str = "") -> None:
         super().__init__(reason or "retry requested")
-        self.after = after
+        self.after = _aware(after, "Retry")
         self.reason = reason
+
+
+def _aware(
+    after: float | timedelta | datetime | None, name: str
+) -> float | timedelta | datetime | None:
+    if isinstance(after, datetime) and after.tzinfo is None:
+        raise ValueError(
+            f"{name}(after=...) got a naive datetime ({after}); give a timezone-aware one, "
+            "e.g. datetime.now(timezone.utc) + timedelta(minutes=5), or seconds"
+        )
+    return after

@@ -13,6 +13,7 @@ import json
 import logging
 import random
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -182,6 +183,13 @@ def _transactional_step(
     }
 
 
+def _kind(statement: str, params: dict[str, Any]) -> str:
+    """The outcome word (as Outcome.kind) of a transactional step, for metrics."""
+    if "error" in params:
+        return "dead" if params["dead"] else "retried"
+    return "completed" if "result" in params else "snoozed"
+
+
 def _done_notify(app: App) -> tuple[str, dict[str, Any]]:
     return render(complete.JOBS_DONE_NOTIFY, app.schema), {"channel": done_channel(app.schema)}
 
@@ -200,6 +208,7 @@ async def run_transactional_async(
     rng: random.Random,
     clock: Clock = utcnow,
     on_claimed: Callable[[int], None] = lambda n: None,
+    on_finished: Callable[[ClaimedJob, str, float], None] = lambda job, kind, seconds: None,
 ) -> int:
     """Claim, run and record up to ``limit`` async transactional jobs in one transaction.
 
@@ -219,6 +228,7 @@ async def run_transactional_async(
             exc: BaseException | None = None
             result: object = None
             set_current_job(job)
+            started = time.perf_counter()
             try:
                 async with conn.transaction():
                     result = await asyncio.wait_for(task.fn(conn, **job.args), task.options.timeout)
@@ -226,8 +236,10 @@ async def run_transactional_async(
                 exc = JobTimeoutError(f"{job.task} exceeded its timeout")
             except Exception as failure:
                 exc = failure
+            set_current_job(None)
             statement, params = _transactional_step(app, job, exc, result, clock(), rng)
             await conn.execute(statement, params)
+            on_finished(job, _kind(statement, params), time.perf_counter() - started)
         if jobs:
             await conn.execute(*_done_notify(app))
     return len(jobs)
@@ -243,6 +255,7 @@ def run_transactional_sync(
     rng: random.Random,
     clock: Clock = utcnow,
     on_claimed: Callable[[int], None] = lambda n: None,
+    on_finished: Callable[[ClaimedJob, str, float], None] = lambda job, kind, seconds: None,
 ) -> int:
     """Sync twin of ``run_transactional_async``, run in a worker thread."""
     with conn.transaction():
@@ -256,6 +269,7 @@ def run_transactional_sync(
             exc: BaseException | None = None
             result: object = None
             set_current_job(job)
+            started = time.perf_counter()
             if task.options.timeout is not None:
                 ms = str(max(int(task.options.timeout * 1000), 1))
                 conn.execute(render(complete.SESSION_LIMIT, app.schema), {"ms": ms})
@@ -264,8 +278,10 @@ def run_transactional_sync(
                     result = task.fn(conn, **job.args)
             except Exception as failure:
                 exc = failure
+            set_current_job(None)
             statement, params = _transactional_step(app, job, exc, result, clock(), rng)
             conn.execute(statement, params)
+            on_finished(job, _kind(statement, params), time.perf_counter() - started)
         if jobs:
             conn.execute(*_done_notify(app))
     return len(jobs)

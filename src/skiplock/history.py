@@ -122,7 +122,7 @@ def maintain(
         )
         while True:
             cur = conn.execute(
-                prune, {"retention": retention.total_seconds(), "batch": PRUNE_BATCH}
+                prune, {"retention": retention.total_seconds(), "batch": PRUNE_BATCH, "now": now}
             )
             report.pruned_rows += cur.rowcount
             if cur.rowcount < PRUNE_BATCH:

@@ -39,8 +39,10 @@ class RetryPolicy:
     def delay(self, attempt: int, rng: random.Random) -> float:
         """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
         exponent = max(attempt - 1, 0)
-        # Guard the power against overflow for absurd attempt counts: past the cap it is flat.
-        raw = self.cap if exponent > 1000 else min(self.cap, self.base * self.factor**exponent)
+        try:
+            raw = min(self.cap, self.base * self.factor**exponent)
+        except OverflowError:  # a steep policy after many attempts: past the cap it is flat
+            raw = self.cap
         return raw * (1.0 - self.jitter * rng.random())
 
 

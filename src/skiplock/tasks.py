@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from skiplock.errors import ConfigurationError, EnqueueError
@@ -132,12 +133,17 @@ def _check_unique(scope: object, key: object) -> None:
         raise ConfigurationError(f"a unique key must be a non-empty string, got {key!r}")
 
 
-def _json_problem(value: object, path: str) -> str | None:
-    """Why ``value`` cannot be stored as JSON in PostgreSQL, or None when it can."""
+def _json_problem(value: object, path: str, large: list[float]) -> str | None:
+    """Why ``value`` cannot be stored as JSON in PostgreSQL, or None when it can. Floats
+    that Python writes with a positive exponent are collected in ``large``."""
     if value is None or isinstance(value, (bool, int)):
         return None
     if isinstance(value, float):
-        return None if math.isfinite(value) else f"{path} is {value!r}, which JSON cannot hold"
+        if not math.isfinite(value):
+            return f"{path} is {value!r}, which JSON cannot hold"
+        if "e+" in repr(value):
+            large.append(value)
+        return None
     if isinstance(value, str):
         if "\x00" in value:
             return f"{path} contains a NUL character, which PostgreSQL jsonb cannot store"
@@ -148,7 +154,7 @@ def _json_problem(value: object, path: str) -> str | None:
         return None
     if isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
-            problem = _json_problem(item, f"{path}[{index}]")
+            problem = _json_problem(item, f"{path}[{index}]", large)
             if problem:
                 return problem
         return None
@@ -156,8 +162,8 @@ def _json_problem(value: object, path: str) -> str | None:
         for key, item in value.items():
             if not isinstance(key, str):
                 return f"{path} has a non-string key {key!r}"
-            problem = _json_problem(key, f"{path} key {key!r}") or _json_problem(
-                item, f"{path}[{key!r}]"
+            problem = _json_problem(key, f"{path} key {key!r}", large) or _json_problem(
+                item, f"{path}[{key!r}]", large
             )
             if problem:
                 return problem
@@ -169,16 +175,47 @@ _ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 _KEY_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"), sort_keys=True)
 
 
+def _exact_floats(value: Any, texts: dict[str, str]) -> Any:
+    """``value`` with each exponent-written float replaced by a placeholder string whose
+    JSON is swapped for the float's plain decimal text afterwards (see encode_args)."""
+    if isinstance(value, float) and "e+" in repr(value):
+        marker = f"\x01skiplock-float-{len(texts)}\x01"
+        plain = format(Decimal(repr(value)), "f")
+        texts[_ENCODER.encode(marker)] = plain if "." in plain else plain + ".0"
+        return marker
+    if isinstance(value, (list, tuple)):
+        return [_exact_floats(item, texts) for item in value]
+    if isinstance(value, dict):
+        return {key: _exact_floats(item, texts) for key, item in value.items()}
+    return value
+
+
 def encode_args(task_name: str, args: Mapping[str, Any]) -> str:
-    """Arguments as a JSON object, or an EnqueueError naming the argument that cannot be."""
+    """Arguments as a JSON object, or an EnqueueError naming the argument that cannot be.
+
+    PostgreSQL's jsonb stores 1e+23 as 100000000000000000000000, which reads back as an
+    int; such floats are written with a decimal point instead, so they come back as the
+    same float."""
+    large: list[float] = []
     for key, value in args.items():
-        problem = _json_problem(value, f"argument {key!r}")
+        problem = _json_problem(value, f"argument {key!r}", large)
         if problem:
             raise EnqueueError(f"cannot enqueue {task_name}: {problem}")
     try:
-        encoded = _ENCODER.encode(args)
-    except ValueError as exc:  # e.g. an int past Python's int-to-str digit limit
-        raise EnqueueError(f"cannot enqueue {task_name}: {exc}") from None
+        if large:
+            texts: dict[str, str] = {}
+            encoded = _ENCODER.encode(_exact_floats(dict(args), texts))
+            for marker, plain in texts.items():
+                encoded = encoded.replace(marker, plain)
+        else:
+            encoded = _ENCODER.encode(args)
+    except ValueError:  # an int past Python's int-to-str digit limit
+        for key, value in args.items():
+            try:
+                _ENCODER.encode(value)
+            except ValueError as exc:
+                raise EnqueueError(f"cannot enqueue {task_name}: argument {key!r}: {exc}") from None
+        raise
     if len(encoded) > MAX_ARGS_BYTES:
         raise EnqueueError(
             f"cannot enqueue {task_name}: arguments are {len(encoded)} bytes of JSON; "

@@ -455,6 +455,9 @@ class Worker:
                     {"id": job_id, "attempt": attempt, "worker_id": self.id, "progress": encoded},
                 )
 
+    def _transactional_finished(self, job: ClaimedJob, kind: str, seconds: float) -> None:
+        self.metrics.job_finished(job.queue, job.task, kind, seconds)
+
     def request_cancel(self, job_id: int) -> None:
         """Stop a running job of this worker: async handlers are cancelled, sync handlers
         see ``skiplock.cancel_requested()`` turn true. The job ends cancelled."""
@@ -507,6 +510,7 @@ class Worker:
         async def session(claimed: asyncio.Future[int]) -> None:
             def on_claimed(n: int) -> None:
                 self.stats.claimed += n
+                self.metrics.claimed(queue, n)
                 claimed.set_result(n)
 
             try:
@@ -519,6 +523,7 @@ class Worker:
                         self.transactional_batch,
                         rng=self._rng,
                         on_claimed=on_claimed,
+                        on_finished=self._transactional_finished,
                     )
                 self.stats.transactional_completed += done
             except BaseException as exc:
@@ -546,6 +551,7 @@ class Worker:
         def run_in_thread(claimed: asyncio.Future[int]) -> int:
             def on_claimed(n: int) -> None:
                 self.stats.claimed += n
+                self.metrics.claimed(queue, n)
                 loop.call_soon_threadsafe(claimed.set_result, n)
 
             with pool.connection() as conn:
@@ -557,6 +563,7 @@ class Worker:
                     self.transactional_batch,
                     rng=random.Random(),
                     on_claimed=on_claimed,
+                    on_finished=self._transactional_finished,
                 )
 
         async def session(claimed: asyncio.Future[int]) -> None:
@@ -637,7 +644,7 @@ class Worker:
                             report.dropped,
                             report.pruned_rows,
                         )
-                statements = [maintenance.JOB_RESCUE_ORPHANED]
+                statements = [maintenance.JOB_RESCUE_ORPHANED, maintenance.JOB_CANCEL_ABANDONED]
                 if now >= next_expired:
                     next_expired = now + expired_every
                     statements.append(maintenance.JOB_RESCUE_EXPIRED)
@@ -654,6 +661,9 @@ class Worker:
             except psycopg.OperationalError as exc:
                 self.leadership.lose()
                 log.warning("maintenance failed (%s); will retry", exc)
+            except Exception:
+                # Heartbeats live in this loop too: it must outlive any surprise.
+                log.exception("maintenance step failed; will retry")
             await asyncio.sleep(min(self.rescue_interval, heartbeat_every))
 
     def _maintain_history(self) -> history.HistoryReport:
@@ -683,6 +693,8 @@ class Worker:
                     sleep_for = min(max(float(row[0]), 0.001), self.poll_interval)
             except psycopg.OperationalError as exc:
                 log.warning("promoting due jobs failed (%s); will retry", exc)
+            except Exception:
+                log.exception("promoting due jobs failed; will retry")
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(wake.wait(), sleep_for)
 
@@ -766,9 +778,14 @@ class Worker:
         async with pool.connection() as conn:
             cur = await conn.execute(
                 render(complete.JOB_RELEASE_MANY_IF_LEASED, self.app.schema),
-                {"ids": list(jobs), "attempts": list(jobs.values()), "worker_id": self.id},
+                {
+                    "ids": list(jobs),
+                    "attempts": list(jobs.values()),
+                    "worker_id": self.id,
+                    "channel": notify_channel(self.app.schema),
+                },
             )
-            released = len(await cur.fetchall())
+            released = sum(int(row[1]) for row in await cur.fetchall())
         log.warning("released %d unfinished jobs back to their queues", released)
 
 

@@ -38,6 +38,7 @@ JOB_RETRY = (
 WITH moved AS (
     UPDATE {jobs}
     SET state = 'available', retry_at = now(), attempts = 0, worker_id = NULL,
+        run_at = least(run_at, now()),
         lease_expires_at = NULL,
         -- A dead job held no key; if a newer live job holds it now, this one runs without.
         unique_key = CASE WHEN EXISTS (

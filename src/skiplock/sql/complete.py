@@ -11,6 +11,8 @@ refused ones. A refusal means the lease was lost and the job was rescued, maybe 
 re-run elsewhere: the stale attempt must not overwrite it.
 """
 
+from skiplock.sql.maintenance import NOTIFY_MOVED
+
 _HISTORY_COLUMNS = """id, queue, task, args, state, priority, attempts, max_attempts, errors,
                     result, unique_key, ordering_key, created_at, attempted_at, progress"""
 
@@ -35,13 +37,13 @@ RETURNING id
 """
 )
 
-# A failed attempt: retryable until retry_at (now + delay; available at once when there is
-# no delay), or dead. run_at is left alone: it is the job's place in line. The lease is
+# A failed attempt: retryable until retry_at (now + delay), or dead. run_at is left alone:
+# it is the job's place in line. Even with no delay the job goes through the promoter,
+# whose notification rewinds claim cursors to its (older) place. The lease is
 # dropped either way; the error is appended so every attempt's failure is kept.
 JOB_FAIL_MANY_IF_LEASED = """
 UPDATE {jobs} AS j
-SET state = CASE WHEN o.dead THEN 'dead' WHEN o.delay > 0 THEN 'retryable'
-                 ELSE 'available' END,
+SET state = CASE WHEN o.dead THEN 'dead' ELSE 'retryable' END,
     retry_at = now() + o.delay * interval '1 second',
     errors = j.errors || jsonb_build_array(o.error::jsonb),
     worker_id = NULL,
@@ -132,24 +134,28 @@ SELECT pg_notify(%(channel)s, '')
 
 # Graceful shutdown ran out of time: the attempt was cut short, not failed, so it is
 # given back, and the job is available at once.
-JOB_RELEASE_MANY_IF_LEASED = """
-UPDATE {jobs} AS j
-SET state = 'available',
-    attempts = j.attempts - 1,
-    errors = j.errors || jsonb_build_array(jsonb_build_object(
-        'attempt', j.attempts,
-        'at', now(),
-        'type', 'WorkerShutdown',
-        'message', 'worker stopped before the job finished; the attempt is not counted',
-        'traceback', NULL)),
-    worker_id = NULL,
-    lease_expires_at = NULL
-FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS o(id, attempt)
-WHERE j.id = o.id
-  AND j.attempts = o.attempt
-  AND j.worker_id = %(worker_id)s
-RETURNING j.id
-"""
+JOB_RELEASE_MANY_IF_LEASED = (
+    """
+WITH moved AS (
+    UPDATE {jobs} AS j
+    SET state = 'available',
+        attempts = j.attempts - 1,
+        errors = j.errors || jsonb_build_array(jsonb_build_object(
+            'attempt', j.attempts,
+            'at', now(),
+            'type', 'WorkerShutdown',
+            'message', 'worker stopped before the job finished; the attempt is not counted',
+            'traceback', NULL)),
+        worker_id = NULL,
+        lease_expires_at = NULL
+    FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS o(id, attempt)
+    WHERE j.id = o.id
+      AND j.attempts = o.attempt
+      AND j.worker_id = %(worker_id)s
+    RETURNING j.queue, j.priority, j.run_at
+)"""
+    + NOTIFY_MOVED
+)
 
 # A transactional handler's time limit: the server ends a session left idle inside its
 # transaction (a sync handler stuck outside SQL) or a statement running longer, and the

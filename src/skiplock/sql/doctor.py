@@ -4,7 +4,8 @@ docs/operations.md)."""
 # Per-table autovacuum switch and dead tuples of skiplock's tables.
 DOCTOR_TABLES = """
 SELECT c.relname,
-       coalesce(c.reloptions, '{{}}') AS reloptions,
+       coalesce((SELECT NOT option_value::boolean FROM pg_options_to_table(c.reloptions)
+                 WHERE option_name = 'autovacuum_enabled'), false) AS autovacuum_disabled,
        s.n_live_tup, s.n_dead_tup, s.last_autovacuum, s.last_vacuum
 FROM pg_class AS c
 JOIN pg_namespace AS n ON n.oid = c.relnamespace
@@ -17,15 +18,17 @@ DOCTOR_AUTOVACUUM = """
 SELECT current_setting('autovacuum')
 """
 
-# The session whose snapshot is oldest: while it stays open, VACUUM can remove no row
-# version newer than it, anywhere in the database.
+# The session holding back VACUUM the longest in this database: by its snapshot (xmin),
+# or by its own transaction id (a forgotten BEGIN after a write has one and no snapshot).
 DOCTOR_OLDEST_XMIN = """
 SELECT pid, usename, application_name, state,
        extract(epoch FROM now() - xact_start)::float8 AS xact_seconds,
-       age(backend_xmin) AS xmin_age, left(query, 120) AS query
+       greatest(age(backend_xmin), age(backend_xid)) AS xmin_age, left(query, 120) AS query
 FROM pg_stat_activity
-WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid() AND xact_start IS NOT NULL
-ORDER BY age(backend_xmin) DESC
+WHERE (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)
+  AND pid <> pg_backend_pid() AND xact_start IS NOT NULL
+  AND datname = current_database()
+ORDER BY greatest(age(backend_xmin), age(backend_xid)) DESC
 LIMIT 1
 """
 

@@ -36,6 +36,6 @@ HISTORY_PRUNE_DEFAULT_BATCH = """
 DELETE FROM {history_default}
 WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM {history_default}
-    WHERE finished_at < now() - %(retention)s * interval '1 second'
+    WHERE finished_at < %(now)s::timestamptz - %(retention)s * interval '1 second'
     LIMIT %(batch)s))
 """

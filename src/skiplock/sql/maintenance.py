@@ -41,10 +41,32 @@ WITH gone AS (
         worker_id = NULL,
         lease_expires_at = NULL
     WHERE state = 'running' AND worker_id IN (SELECT id FROM gone)
+      AND cancel_requested_at IS NULL
     RETURNING queue, priority, run_at
 )"""
     + NOTIFY_MOVED
 )
+
+# A job whose cancellation was asked for while its worker died (or hung past its lease)
+# is not rescued: it ends cancelled, as asked.
+JOB_CANCEL_ABANDONED = """
+WITH done AS (
+    DELETE FROM {jobs}
+    WHERE state = 'running' AND cancel_requested_at IS NOT NULL
+      AND (lease_expires_at < now()
+           OR NOT EXISTS (SELECT 1 FROM {workers} AS w WHERE w.id = worker_id))
+    RETURNING *
+)
+INSERT INTO {history} (id, queue, task, args, state, priority, attempts, max_attempts, errors,
+                       result, unique_key, ordering_key, created_at, attempted_at, progress)
+SELECT id, queue, task, args, 'cancelled', priority, attempts, max_attempts,
+       errors || jsonb_build_array(jsonb_build_object(
+           'attempt', attempts, 'at', now(), 'type', 'Cancelled',
+           'message', 'cancelled; its worker was gone', 'traceback', NULL)),
+       NULL, unique_key, ordering_key, created_at, attempted_at, progress
+FROM done
+RETURNING queue, 1
+"""
 
 # A lease that ran out means a hung, partitioned or dead worker. Give the job back (or park
 # it as dead when it has no attempts left) and say why on the job. Fenced on the deadline
@@ -62,7 +84,7 @@ SET state = CASE WHEN attempts >= max_attempts THEN 'dead' ELSE 'available' END,
         'traceback', NULL)),
     worker_id = NULL,
     lease_expires_at = NULL
-WHERE state = 'running' AND lease_expires_at < now()
+WHERE state = 'running' AND lease_expires_at < now() AND cancel_requested_at IS NULL
 RETURNING queue, priority, run_at
 )"""
     + NOTIFY_MOVED

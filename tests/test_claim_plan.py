@@ -1,0 +1,175 @@
+"""The claim reads the jobs_claim index in its own order: no sort, no scan of the table.
+
+Plans are taken as the planner chooses them, over a few thousand rows in several queues and
+states with fresh statistics, both as a custom plan (the values known) and as the generic
+plan a prepared statement falls back to after a few executions. Everything rolls back.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from skiplock.sql import claim, render
+
+SCHEMA = "skiplock"
+CLAIM_INDEX = "jobs_claim"
+
+
+@pytest.fixture
+def filled(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
+    """5,000 jobs over three queues, seven tasks and every live state, then ANALYZE."""
+    conn.execute(
+        """
+        INSERT INTO skiplock.jobs (queue, task, state, priority, run_at, attempts,
+                                   worker_id, lease_expires_at)
+        SELECT (ARRAY['default', 'emails', 'reports'])[1 + i % 3],
+               't' || (i % 7),
+               s.state,
+               (i % 11) - 5,
+               now() - (i % 100) * interval '1 minute'
+                     + CASE WHEN s.state IN ('scheduled', 'retryable')
+                            THEN interval '1 hour' ELSE interval '0' END,
+               CASE WHEN s.state = 'available' THEN 0 ELSE 1 END,
+               CASE WHEN s.state = 'running' THEN gen_random_uuid() END,
+               CASE WHEN s.state = 'running' THEN now() + interval '1 minute' END
+        FROM generate_series(1, 5000) AS i,
+             LATERAL (SELECT (ARRAY['available', 'available', 'available', 'scheduled',
+                                    'retryable', 'dead', 'running'])[1 + i % 7] AS state) AS s
+        """
+    )
+    conn.execute("ANALYZE skiplock.jobs")
+    return conn
+
+
+def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from nodes(child)
+
+
+def picking_part(plan: dict[str, Any]) -> dict[str, Any]:
+    """The part of the plan that chooses rows: the CTE of the claim, else the whole plan."""
+    for node in nodes(plan):
+        if node.get("Subplan Name") == "CTE picked":
+            return node
+    return plan
+
+
+def outer_path(plan: dict[str, Any]) -> list[str]:
+    """Node types from ``plan`` down its row-producing children (not InitPlans/SubPlans)."""
+    path = [plan["Node Type"]]
+    children = [
+        child
+        for child in plan.get("Plans", [])
+        if child.get("Parent Relationship") in ("Outer", "Member")
+    ]
+    if children:
+        path += outer_path(children[0])
+    return path
+
+
+def assert_reads_the_claim_index_in_order(plan: dict[str, Any]) -> dict[str, Any]:
+    """Check the picking part of ``plan``; return its one scan of the jobs table."""
+    picking = picking_part(plan)
+    scans = [n for n in nodes(picking) if n.get("Relation Name") == "jobs"]
+    kinds = [(n["Node Type"], n.get("Index Name")) for n in scans]
+    assert kinds == [("Index Scan", CLAIM_INDEX)], kinds
+    assert not [n["Node Type"] for n in nodes(picking) if "Sort" in n["Node Type"]]
+    # Rows flow straight from the index scan through the row locks to the limit.
+    path = outer_path(picking)
+    assert path[-1] == "Index Scan"
+    assert "LockRows" in path
+    assert set(path) <= {"Limit", "LockRows", "Result", "Index Scan"}, path
+    return scans[0]
+
+
+def explain(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any]) -> Any:
+    row = conn.execute("EXPLAIN (FORMAT JSON) " + statement, params).fetchone()
+    assert row is not None
+    return row[0][0]["Plan"]
+
+
+def explain_generic(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any]) -> Any:
+    """The generic plan: PREPARE with $n placeholders, then EXPLAIN EXECUTE."""
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match[1] not in names:
+            names.append(match[1])
+        return f"${names.index(match[1]) + 1}"
+
+    name = f"claim_{uuid.uuid4().hex[:8]}"
+    conn.execute(f"PREPARE {name} AS " + re.sub(r"%\((\w+)\)s", number, statement))
+    conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+    values = sql.SQL(", ").join(sql.Literal(params[n]) for n in names)
+    row = conn.execute(
+        sql.SQL("EXPLAIN (FORMAT JSON) EXECUTE {} ({})").format(sql.Identifier(name), values)
+    ).fetchone()
+    assert row is not None
+    return row[0][0]["Plan"]
+
+
+def claim_params(limit: int, exclude: list[str]) -> dict[str, Any]:
+    return {
+        "queue": "default",
+        "exclude_tasks": exclude,
+        "limit": limit,
+        "worker_id": uuid.uuid4(),
+        "lease_seconds": 30.0,
+    }
+
+
+PLANNERS = {"custom": explain, "generic": explain_generic}
+
+
+@pytest.mark.parametrize("planner", sorted(PLANNERS))
+@pytest.mark.parametrize("limit", [1, 10, 100])
+@pytest.mark.parametrize("exclude", [[], ["t1", "t2"]])
+def test_the_lease_claim_reads_the_claim_index_in_order(
+    filled: psycopg.Connection[Any], planner: str, limit: int, exclude: list[str]
+) -> None:
+    statement = render(claim.JOB_CLAIM_BATCH, SCHEMA)
+
+    plan = PLANNERS[planner](filled, statement, claim_params(limit, exclude))
+
+    assert plan["Node Type"] == "ModifyTable"
+    assert_reads_the_claim_index_in_order(plan)
+
+
+@pytest.mark.parametrize("planner", sorted(PLANNERS))
+def test_the_resumed_claim_starts_the_index_scan_at_the_cursor(
+    filled: psycopg.Connection[Any], planner: str
+) -> None:
+    statement = render(claim.JOB_CLAIM_BATCH_AFTER, SCHEMA)
+    params = claim_params(10, []) | {
+        "after_priority": -2,
+        "after_run_at": datetime.now(timezone.utc),
+        "after_id": 100,
+    }
+
+    plan = PLANNERS[planner](filled, statement, params)
+
+    scan = assert_reads_the_claim_index_in_order(plan)
+    # The position is an index condition (where the scan starts), not a filter.
+    assert "ROW(priority, run_at, id) >" in scan["Index Cond"]
+
+
+@pytest.mark.parametrize("planner", sorted(PLANNERS))
+@pytest.mark.parametrize("limit", [1, 10])
+def test_the_transactional_lock_reads_the_claim_index_in_order(
+    filled: psycopg.Connection[Any], planner: str, limit: int
+) -> None:
+    statement = render(claim.JOB_LOCK_BATCH, SCHEMA)
+    params = {"queue": "default", "tasks": ["t1", "t2", "t3"], "limit": limit}
+
+    plan = PLANNERS[planner](filled, statement, params)
+
+    assert_reads_the_claim_index_in_order(plan)

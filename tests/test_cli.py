@@ -1,0 +1,271 @@
+"""The ``skiplock`` command, run as a real subprocess (``python -m skiplock``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from datetime import datetime, timezone
+from typing import Any
+
+import psycopg
+import pytest
+
+import skiplock
+from conftest import JobFactory, StartWorker, wait_until
+from skiplock.migrate import available_migrations
+
+UNREACHABLE = "postgresql://postgres@127.0.0.1:1/postgres?connect_timeout=5"
+
+
+def run_cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("SKIPLOCK_DATABASE_URL", "SKIPLOCK_SCHEMA")
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "skiplock", "--database-url", url, *args],
+        capture_output=True,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    return result.stdout
+
+
+def refused(result: subprocess.CompletedProcess[str]) -> str:
+    """A clean refusal: exit code 2 and a one-line reason, never a traceback."""
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("skiplock: ")
+    return result.stderr
+
+
+def test_migrate_status_lists_every_migration_as_applied(database_url: str) -> None:
+    out = ok(run_cli(database_url, "migrate", "--status"))
+
+    assert out.splitlines() == [
+        f"{m.version:04d}_{m.name}  applied" for m in available_migrations()
+    ]
+
+
+def test_migrate_a_fresh_schema_step_by_step(database_url: str, scratch_schema: str) -> None:
+    migrations = available_migrations()
+    names = [f"{m.version:04d}_{m.name}" for m in migrations]
+
+    status = ok(run_cli(database_url, "--schema", scratch_schema, "migrate", "--status"))
+    preview = ok(run_cli(database_url, "--schema", scratch_schema, "migrate", "--sql"))
+    first = ok(run_cli(database_url, "--schema", scratch_schema, "migrate", "--target", "1"))
+    rest = ok(run_cli(database_url, "--schema", scratch_schema, "migrate"))
+    again = ok(run_cli(database_url, "--schema", scratch_schema, "migrate"))
+
+    assert status.splitlines() == [f"{name}  pending" for name in names]
+    assert "CREATE TABLE jobs" in preview
+    assert f"SET LOCAL search_path TO {scratch_schema};" in preview
+    assert first.splitlines() == [f"applied {names[0]}"]
+    assert rest.splitlines() == [f"applied {name}" for name in names[1:]]
+    assert again.strip() == f"schema {scratch_schema!r} is up to date"
+    skiplock.App(database_url, schema=scratch_schema).check_schema()
+
+
+def test_jobs_list_shows_live_jobs_with_their_last_error(
+    app: skiplock.App, make_job: JobFactory
+) -> None:
+    ready = make_job(task="emails.send", queue="emails")
+    dead = make_job(
+        task="reports.build",
+        state="dead",
+        attempts=3,
+        errors=[{"attempt": 3, "type": "KeyError", "message": "'region'"}],
+    )
+
+    table = ok(run_cli(app.database_url, "jobs", "list")).splitlines()
+    only_dead = ok(run_cli(app.database_url, "jobs", "list", "--state", "dead")).splitlines()
+    as_json = json.loads(ok(run_cli(app.database_url, "jobs", "list", "--json")))
+
+    assert table[0].split() == ["id", "state", "queue", "attempts", "task", "/", "last", "error"]
+    assert table[1].split() == [str(ready), "available", "emails", "0/3", "emails.send"]
+    assert table[2].split()[:5] == [str(dead), "dead", "default", "3/3", "reports.build"]
+    assert table[2].endswith("[KeyError: 'region']")
+    assert [line.split()[0] for line in only_dead[1:]] == [str(dead)]
+    assert [(j["id"], j["state"], j["task"]) for j in as_json] == [
+        (ready, "available", "emails.send"),
+        (dead, "dead", "reports.build"),
+    ]
+
+
+def test_jobs_show_prints_one_job_with_every_error(app: skiplock.App, make_job: JobFactory) -> None:
+    errors = [
+        {"attempt": 1, "type": "TimeoutError", "message": "first"},
+        {"attempt": 2, "type": "TimeoutError", "message": "second"},
+    ]
+    job_id = make_job(task="sync", args={"account": 9}, state="dead", attempts=2, errors=errors)
+
+    shown = json.loads(ok(run_cli(app.database_url, "jobs", "show", str(job_id))))
+
+    assert shown["id"] == job_id
+    assert shown["state"] == "dead"
+    assert shown["args"] == {"account": 9}
+    assert shown["errors"] == errors
+
+
+def test_jobs_show_of_a_missing_job_is_refused(app: skiplock.App) -> None:
+    err = refused(run_cli(app.database_url, "jobs", "show", "424242"))
+
+    assert "no job with id 424242" in err
+
+
+def job_state(conn: psycopg.Connection[Any], job_id: int) -> tuple[Any, ...] | None:
+    return conn.execute(
+        "SELECT state, attempts FROM skiplock.jobs WHERE id = %(id)s "
+        "UNION ALL SELECT state, attempts FROM skiplock.job_history WHERE id = %(id)s",
+        {"id": job_id},
+    ).fetchone()
+
+
+def test_jobs_retry_makes_a_dead_job_available_and_a_worker_runs_it(
+    app: skiplock.App,
+    make_job: JobFactory,
+    autocommit: psycopg.Connection[Any],
+    start_worker: StartWorker,
+) -> None:
+    ran: list[int] = []
+
+    @app.task(name="resend")
+    def resend(n: int) -> None:
+        ran.append(n)
+
+    job_id = make_job(
+        task="resend", args={"n": 5}, state="dead", attempts=3, errors=[{"type": "E"}]
+    )
+    start_worker(app, poll_interval=0.05)
+
+    out = ok(run_cli(app.database_url, "jobs", "retry", str(job_id)))
+
+    assert f"job {job_id}" in out
+    wait_until(lambda: job_state(autocommit, job_id) == ("completed", 1), 15.0, "the retry")
+    assert ran == [5]
+
+
+def test_jobs_cancel_moves_a_waiting_job_to_history(
+    app: skiplock.App, make_job: JobFactory, autocommit: psycopg.Connection[Any]
+) -> None:
+    job_id = make_job(state="scheduled", run_at=datetime(2040, 1, 1, tzinfo=timezone.utc))
+
+    out = ok(run_cli(app.database_url, "jobs", "cancel", str(job_id)))
+
+    assert out.strip() == f"job {job_id} cancelled"
+    assert job_state(autocommit, job_id) == ("cancelled", 0)
+
+
+def test_jobs_retry_all_with_filters_needs_yes_without_a_terminal(
+    app: skiplock.App, make_job: JobFactory, autocommit: psycopg.Connection[Any]
+) -> None:
+    dead_emails = [make_job(queue="emails", state="dead", attempts=3) for _ in range(3)]
+    dead_sms = make_job(queue="sms", state="dead", attempts=3)
+    waiting = make_job(queue="emails")
+    selection = ["jobs", "retry", "--all", "--queue", "emails", "--state", "dead"]
+
+    unconfirmed = refused(run_cli(app.database_url, *selection))
+    out = ok(run_cli(app.database_url, *selection, "--yes"))
+
+    assert "--yes" in unconfirmed
+    assert "3" in out
+    assert [job_state(autocommit, j) for j in dead_emails] == [("available", 0)] * 3
+    assert job_state(autocommit, dead_sms) == ("dead", 3)
+    assert job_state(autocommit, waiting) == ("available", 0)
+
+
+def running_job(make_job: JobFactory) -> int:
+    return make_job(
+        state="running",
+        attempts=1,
+        worker_id=uuid.uuid4(),
+        lease_expires_at=datetime(2040, 1, 1, tzinfo=timezone.utc),
+    )
+
+
+def test_a_running_job_is_not_retried(
+    app: skiplock.App, make_job: JobFactory, autocommit: psycopg.Connection[Any]
+) -> None:
+    job_id = running_job(make_job)
+
+    err = refused(run_cli(app.database_url, "jobs", "retry", str(job_id)))
+
+    assert f"job {job_id} is running" in err
+    assert job_state(autocommit, job_id) == ("running", 1)
+
+
+def test_cancelling_a_running_job_asks_its_worker_to_stop_it(
+    app: skiplock.App, make_job: JobFactory, autocommit: psycopg.Connection[Any]
+) -> None:
+    job_id = running_job(make_job)
+
+    ok(run_cli(app.database_url, "jobs", "cancel", str(job_id)))
+
+    # The worker records the cancellation; until then the job is still running.
+    assert job_state(autocommit, job_id) == ("running", 1)
+    requested = autocommit.execute(
+        "SELECT cancel_requested_at IS NOT NULL FROM skiplock.jobs WHERE id = %s", (job_id,)
+    ).fetchone()
+    assert requested == (True,)
+
+
+def test_status_json_counts_jobs_per_queue_and_state(
+    app: skiplock.App, make_job: JobFactory
+) -> None:
+    for _ in range(3):
+        make_job(queue="emails")
+    make_job(queue="emails", state="dead", attempts=3)
+    make_job(queue="reports", state="scheduled", run_at=datetime(2040, 1, 1, tzinfo=timezone.utc))
+    make_job(
+        queue="reports",
+        state="running",
+        attempts=1,
+        worker_id=uuid.uuid4(),
+        lease_expires_at=datetime(2040, 1, 1, tzinfo=timezone.utc),
+    )
+
+    stats = json.loads(ok(run_cli(app.database_url, "status", "--json")))["queues"]
+    text = ok(run_cli(app.database_url, "status")).splitlines()
+
+    counts = {
+        row["queue"]: {k: row[k] for k in ("available", "scheduled", "running", "dead")}
+        for row in stats
+    }
+    assert counts == {
+        "emails": {"available": 3, "scheduled": 0, "running": 0, "dead": 1},
+        "reports": {"available": 0, "scheduled": 1, "running": 1, "dead": 0},
+    }
+    assert [row["queue"] for row in stats] == ["emails", "reports"]
+    assert stats[0]["oldest_ready_seconds"] >= 0
+    assert stats[1]["oldest_ready_seconds"] is None
+    assert text[0].split()[0] == "queue"
+    assert [line.split()[0] for line in text[1:3]] == ["emails", "reports"]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["migrate", "--status"], ["status"], ["jobs", "list"], ["jobs", "retry", "1"]],
+)
+def test_an_unreachable_database_gives_a_clear_message(command: list[str]) -> None:
+    err = refused(run_cli(UNREACHABLE, *command))
+
+    assert "cannot reach the database" in err
+
+
+@pytest.mark.parametrize("command", [["status"], ["jobs", "list"], ["jobs", "show", "1"]])
+def test_an_unmigrated_schema_names_the_command_to_run(
+    database_url: str, scratch_schema: str, command: list[str]
+) -> None:
+    err = refused(run_cli(database_url, "--schema", scratch_schema, *command))
+
+    assert "skiplock migrate" in err
