@@ -605,7 +605,12 @@ def test_every_fenced_write_refuses_a_stale_attempt(
 
     def write(statement: str, ids: list[int], attempts: list[int], worker: uuid.UUID) -> Any:
         n = len(ids)
-        params: dict[str, Any] = {"ids": ids, "attempts": attempts, "worker_id": worker}
+        params: dict[str, Any] = {
+            "ids": ids,
+            "attempts": attempts,
+            "worker_id": worker,
+            "progress": [None] * n,
+        }
         if statement == complete.JOB_COMPLETE_MANY_IF_LEASED:
             params["results"] = ['"done"'] * n
         elif statement == complete.JOB_FAIL_MANY_IF_LEASED:

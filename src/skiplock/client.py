@@ -14,9 +14,9 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from skiplock.config import control_channel, notify_channel
+from skiplock.config import control_channel, done_channel, notify_channel
 from skiplock.errors import JobNotFoundError
-from skiplock.sql import admin, enqueue, render
+from skiplock.sql import admin, complete, enqueue, render
 from skiplock.tasks import JobSpec
 from skiplock.types import Job, JobState
 
@@ -119,23 +119,40 @@ def _many_unique_params(specs: Sequence[JobSpec]) -> dict[str, Any]:
     }
 
 
+UniqueKey = tuple[str, str]  # (scope, key): the same key in both scopes is two keys
+
+
 def _inserted_by_key(
     specs: Sequence[JobSpec], rows: Sequence[Sequence[Any]]
-) -> tuple[dict[str, int], list[int], list[str]]:
-    """From (id, key) rows: ids by unique key, ids of plain jobs in insert order, and the
-    keys that were not inserted (duplicates, whose holders must be looked up)."""
-    by_key = {str(key): int(job_id) for job_id, key in rows if key is not None}
-    plain = [int(job_id) for job_id, key in rows if key is None]
-    missing = sorted({s.unique_key for s in specs if s.unique_key and s.unique_key not in by_key})
+) -> tuple[dict[UniqueKey, int], list[int], dict[str, list[str]]]:
+    """From (id, active key, queued key) rows: ids by (scope, key), ids of plain jobs in
+    insert order, and per scope the keys not inserted (duplicates, whose holders must be
+    looked up)."""
+    by_key: dict[UniqueKey, int] = {}
+    plain: list[int] = []
+    for job_id, active, queued in rows:
+        if active is not None:
+            by_key[("active", str(active))] = int(job_id)
+        if queued is not None:
+            by_key[("queued", str(queued))] = int(job_id)
+        if active is None and queued is None:
+            plain.append(int(job_id))
+    missing: dict[str, list[str]] = {"active": [], "queued": []}
+    for spec in specs:
+        key = spec.unique_key
+        if key and (spec.unique_scope, key) not in by_key and key not in missing[spec.unique_scope]:
+            missing[spec.unique_scope].append(key)
     return by_key, plain, missing
 
 
-def _ids_in_order(specs: Sequence[JobSpec], by_key: dict[str, int], plain: list[int]) -> list[int]:
-    ids = []
+def _ids_in_order(
+    specs: Sequence[JobSpec], by_key: dict[UniqueKey, int], plain: list[int]
+) -> list[int]:
     plain_iter = iter(plain)
-    for spec in specs:
-        ids.append(by_key[spec.unique_key] if spec.unique_key else next(plain_iter))
-    return ids
+    return [
+        by_key[(spec.unique_scope, spec.unique_key)] if spec.unique_key else next(plain_iter)
+        for spec in specs
+    ]
 
 
 def _insert_unique_many(conn: Conn, schema: str, specs: Sequence[JobSpec]) -> list[int]:
@@ -145,9 +162,10 @@ def _insert_unique_many(conn: Conn, schema: str, specs: Sequence[JobSpec]) -> li
         render(enqueue.JOB_INSERT_MANY_UNIQUE, schema), _many_unique_params(specs)
     ).fetchall()
     by_key, plain, missing = _inserted_by_key(specs, rows)
-    if missing:
+    if missing["active"] or missing["queued"]:
         found = conn.execute(
-            render(enqueue.JOB_FIND_UNIQUE_MANY, schema), {"keys": missing}
+            render(enqueue.JOB_FIND_UNIQUE_MANY, schema),
+            {"keys": missing["active"], "queued_keys": missing["queued"]},
         ).fetchall()
         by_key.update(_inserted_by_key(specs, found)[0])
     return _ids_in_order(specs, by_key, plain)
@@ -179,9 +197,10 @@ async def insert_jobs_async(conn: AsyncConn, schema: str, specs: Sequence[JobSpe
             render(enqueue.JOB_INSERT_MANY_UNIQUE, schema), _many_unique_params(specs)
         )
         by_key, plain, missing = _inserted_by_key(specs, await cur.fetchall())
-        if missing:
+        if missing["active"] or missing["queued"]:
             cur = await conn.execute(
-                render(enqueue.JOB_FIND_UNIQUE_MANY, schema), {"keys": missing}
+                render(enqueue.JOB_FIND_UNIQUE_MANY, schema),
+                {"keys": missing["active"], "queued_keys": missing["queued"]},
             )
             by_key.update(_inserted_by_key(specs, await cur.fetchall())[0])
         return _ids_in_order(specs, by_key, plain)
@@ -298,6 +317,8 @@ def cancel_jobs(conn: Conn, schema: str, ids: Sequence[int]) -> int:
         render(admin.JOB_CANCEL_RUNNING, schema),
         {"ids": list(ids), "channel": control_channel(schema)},
     ).fetchall()
+    if waiting:  # wake anyone awaiting these jobs' results
+        conn.execute(render(complete.JOBS_DONE_NOTIFY, schema), {"channel": done_channel(schema)})
     return len(waiting) + len(running)
 
 

@@ -39,6 +39,8 @@ class Outcome:
     delay: float = 0.0
     snooze: bool = False
     cancelled: bool = False
+    # The handler's latest set_progress() not yet written: it goes in with the outcome.
+    progress_json: str | None = None
 
     @property
     def kind(self) -> str:
@@ -72,6 +74,7 @@ def outcome_writes(batch: list[Outcome]) -> list[tuple[str, dict[str, Any]]]:
         params: dict[str, Any] = {
             "ids": [o.job_id for o in outcomes],
             "attempts": [o.attempt for o in outcomes],
+            "progress": [o.progress_json for o in outcomes],
         }
         if group == "completed":
             params["results"] = [o.result_json for o in outcomes]

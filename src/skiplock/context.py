@@ -37,7 +37,8 @@ def cancel_requested() -> bool:
 def set_progress(value: Any) -> None:
     """Record how far the running job has got (a small JSON value, e.g. {"done": 40,
     "of": 100}); ``skiplock jobs show`` displays it. Written about once a second, the
-    latest value wins; kept in history when the job finishes. Safe from any handler."""
+    latest value wins; kept in history when the job finishes. For lease-mode handlers
+    (sync or async); a transactional handler can write to its own tables instead."""
     sink = _progress.get()
     if sink is None:
         raise RuntimeError("skiplock.set_progress() called outside a running lease-mode job")

@@ -18,7 +18,6 @@ import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from datetime import datetime, timezone
-from functools import partial
 from typing import Any
 
 import psycopg
@@ -45,6 +44,11 @@ def utcnow() -> datetime:
 
 class JobTimeoutError(Exception):
     """The handler ran longer than its task's timeout."""
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def claimed_from_row(row: Sequence[Any]) -> ClaimedJob:
@@ -114,10 +118,12 @@ async def run_leased(
     rng: random.Random,
     cancel: threading.Event | None = None,
     progress: Callable[[str], None] | None = None,
+    on_abandoned: Callable[[asyncio.Future[Any]], None] | None = None,
 ) -> Outcome:
     """Run a claimed (lease-mode) job to an outcome. Never raises, except cancellation.
 
-    ``cancel`` is what ``skiplock.cancel_requested()`` reads inside the handler."""
+    ``cancel`` is what ``skiplock.cancel_requested()`` reads inside the handler;
+    ``on_abandoned`` gets the future of a sync handler left running after its timeout."""
     policy = DEFAULT_POLICY
     try:
         task = app.get_task(job.task)
@@ -130,9 +136,17 @@ async def run_leased(
         else:
             # run_in_executor does not carry context into the thread: hand it over.
             context = contextvars.copy_context()
-            future = asyncio.get_running_loop().run_in_executor(
-                threads, partial(context.run, task.fn, **job.args)
-            )
+            loop = asyncio.get_running_loop()
+            started: asyncio.Future[None] = loop.create_future()
+
+            def call() -> Any:
+                loop.call_soon_threadsafe(_resolve, started)
+                return context.run(task.fn, **job.args)
+
+            future = loop.run_in_executor(threads, call)
+            # The timeout counts from when the handler starts, not while it waits for a
+            # thread (one may be held by a handler abandoned after its own timeout).
+            await asyncio.shield(started)
             try:
                 result = await asyncio.wait_for(asyncio.shield(future), task.options.timeout)
             except asyncio.TimeoutError:
@@ -141,6 +155,8 @@ async def run_leased(
                     job.id,
                     job.task,
                 )
+                if on_abandoned is not None:
+                    on_abandoned(future)
                 raise
         return Outcome(job.id, job.attempts, result_json=encode_result(result))
     except asyncio.TimeoutError:

@@ -332,7 +332,10 @@ class TaskCall(Generic[R]):
     def with_options(self, /, **options: Any) -> TaskCall[R]:
         _reject_unknown(options, _CALL_OPTION_NAMES, "enqueue")
         if "unique_key" in options or "unique_scope" in options:
-            _check_unique(options.get("unique_scope", "active"), options.get("unique_key") or True)
+            key = options.get("unique_key")
+            if key is not None and not isinstance(key, str):
+                raise ConfigurationError(f"a unique key must be a non-empty string, got {key!r}")
+            _check_unique(options.get("unique_scope", "active"), True if key is None else key)
         if "queue" in options:
             check_name("queue", options["queue"], MAX_QUEUE_NAME)
         if "priority" in options:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -137,7 +138,7 @@ class Worker:
 
     def request_stop(self) -> None:
         """Ask the worker to stop claiming and shut down; safe from any thread."""
-        if self._loop is not None and self._stop is not None:
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._stop.set)
 
     async def run_async(self, *, handle_signals: bool = False) -> None:
@@ -412,14 +413,19 @@ class Worker:
                     rng=self._rng,
                     cancel=cancel,
                     progress=partial(self._record_progress, job.id, job.attempts),
+                    on_abandoned=partial(self._hold_slot, slots),
                 )
             except asyncio.CancelledError:
                 if not cancel.is_set():
                     raise  # shutdown, or the lease was lost: no outcome of ours to write
                 outcome = Outcome(job.id, job.attempts, cancelled=True)
-            if cancel.is_set() and outcome.error is not None:
-                # It stopped because it was asked to: a cancellation, not a failure.
+            if cancel.is_set() and not outcome.cancelled:
+                # Asked to stop: however the handler ended (returning early, raising), the
+                # job ends cancelled, as the requester was told.
                 outcome = Outcome(job.id, job.attempts, cancelled=True)
+            pending = self._progress.pop(job.id, None)
+            if pending is not None and pending[0] == job.attempts:
+                outcome = dataclasses.replace(outcome, progress_json=pending[1])
             kind = outcome.kind
             self.metrics.job_finished(job.queue, job.task, kind, time.perf_counter() - started)
             log.debug(
@@ -438,6 +444,12 @@ class Worker:
             self._cancel_flags.pop(job.id, None)
             self._job_tasks.pop(job.id, None)
             slots.give(1)
+
+    def _hold_slot(self, slots: Slots, thread: asyncio.Future[Any]) -> None:
+        """A timed-out sync handler still occupies a thread: keep a slot taken until it
+        returns, so the worker does not claim jobs it has no thread for."""
+        slots.take(1)
+        thread.add_done_callback(lambda _: slots.give(1))
 
     def _record_progress(self, job_id: int, attempt: int, encoded: str) -> None:
         # Called from handler threads too: a dict assignment is atomic under the GIL.

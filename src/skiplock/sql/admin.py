@@ -40,11 +40,16 @@ WITH moved AS (
     SET state = 'available', retry_at = now(), attempts = 0, worker_id = NULL,
         run_at = least(run_at, now()),
         lease_expires_at = NULL,
-        -- A dead job held no key; if a newer live job holds it now, this one runs without.
+        -- A dead job held no key; if a live job holds it now (or a job retried in this
+        -- same call takes it first), this one runs without. A queued-scope key is gone for
+        -- good: the job has started before.
         unique_key = CASE WHEN EXISTS (
             SELECT 1 FROM {jobs} AS other
-            WHERE other.unique_key = {jobs}.unique_key AND other.state <> 'dead')
-            THEN NULL ELSE unique_key END
+            WHERE other.unique_key = {jobs}.unique_key AND other.id <> {jobs}.id
+              AND (other.state <> 'dead'
+                   OR (other.id = ANY(%(ids)s::bigint[]) AND other.id < {jobs}.id)))
+            THEN NULL ELSE unique_key END,
+        unique_queued_key = NULL
     WHERE id = ANY(%(ids)s::bigint[])
       AND state IN ('dead', 'retryable', 'scheduled', 'available')
     RETURNING queue, priority, run_at

@@ -20,18 +20,19 @@ JOB_COMPLETE_MANY_IF_LEASED = (
     """
 WITH done AS (
     DELETE FROM {jobs} AS j
-    USING unnest(%(ids)s::bigint[], %(attempts)s::int[], %(results)s::text[])
-          AS o(id, attempt, result)
+    USING unnest(%(ids)s::bigint[], %(attempts)s::int[], %(results)s::text[],
+                 %(progress)s::text[]) AS o(id, attempt, result, last_progress)
     WHERE j.id = o.id
       AND j.attempts = o.attempt
       AND j.worker_id = %(worker_id)s
-    RETURNING j.*, o.result
+    RETURNING j.*, o.result, o.last_progress
 )
 INSERT INTO {history} ("""
     + _HISTORY_COLUMNS
     + """)
 SELECT id, queue, task, args, 'completed', priority, attempts, max_attempts, errors,
-       result::jsonb, unique_key, ordering_key, created_at, attempted_at, progress
+       result::jsonb, unique_key, ordering_key, created_at, attempted_at,
+       coalesce(last_progress::jsonb, progress)
 FROM done
 RETURNING id
 """
@@ -46,10 +47,12 @@ UPDATE {jobs} AS j
 SET state = CASE WHEN o.dead THEN 'dead' ELSE 'retryable' END,
     retry_at = now() + o.delay * interval '1 second',
     errors = j.errors || jsonb_build_array(o.error::jsonb),
+    progress = coalesce(o.last_progress::jsonb, j.progress),
     worker_id = NULL,
     lease_expires_at = NULL
 FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(dead)s::bool[], %(delays)s::float8[],
-            %(errors)s::text[]) AS o(id, attempt, dead, delay, error)
+            %(errors)s::text[], %(progress)s::text[])
+     AS o(id, attempt, dead, delay, error, last_progress)
 WHERE j.id = o.id
   AND j.attempts = o.attempt
   AND j.worker_id = %(worker_id)s
@@ -62,11 +65,12 @@ JOB_CANCEL_MANY_IF_LEASED = (
     """
 WITH done AS (
     DELETE FROM {jobs} AS j
-    USING unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS o(id, attempt)
+    USING unnest(%(ids)s::bigint[], %(attempts)s::int[], %(progress)s::text[])
+          AS o(id, attempt, last_progress)
     WHERE j.id = o.id
       AND j.attempts = o.attempt
       AND j.worker_id = %(worker_id)s
-    RETURNING j.*
+    RETURNING j.*, o.last_progress
 )
 INSERT INTO {history} ("""
     + _HISTORY_COLUMNS
@@ -75,7 +79,8 @@ SELECT id, queue, task, args, 'cancelled', priority, attempts, max_attempts,
        errors || jsonb_build_array(jsonb_build_object(
            'attempt', attempts, 'at', now(), 'type', 'Cancelled',
            'message', 'cancelled while running', 'traceback', NULL)),
-       NULL, unique_key, ordering_key, created_at, attempted_at, progress
+       NULL, unique_key, ordering_key, created_at, attempted_at,
+       coalesce(last_progress::jsonb, progress)
 FROM done
 RETURNING id
 """
@@ -102,10 +107,11 @@ SET state = CASE WHEN o.delay > 0 THEN 'scheduled' ELSE 'available' END,
     run_at = now() + o.delay * interval '1 second',
     retry_at = NULL,
     attempts = j.attempts - 1,
+    progress = coalesce(o.last_progress::jsonb, j.progress),
     worker_id = NULL,
     lease_expires_at = NULL
-FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(delays)s::float8[])
-     AS o(id, attempt, delay)
+FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(delays)s::float8[],
+            %(progress)s::text[]) AS o(id, attempt, delay, last_progress)
 WHERE j.id = o.id
   AND j.attempts = o.attempt
   AND j.worker_id = %(worker_id)s
@@ -115,7 +121,8 @@ RETURNING j.id
 JOB_SNOOZE_LOCKED = """
 UPDATE {jobs}
 SET state = CASE WHEN %(delay)s > 0 THEN 'scheduled' ELSE 'available' END,
-    run_at = now() + %(delay)s * interval '1 second'
+    run_at = now() + %(delay)s * interval '1 second',
+    retry_at = NULL
 WHERE id = %(id)s AND state = 'available'
 RETURNING id
 """
@@ -197,7 +204,8 @@ SET state = CASE WHEN %(dead)s THEN 'dead' WHEN %(delay)s > 0 THEN 'retryable'
     attempts = attempts + 1,
     attempted_at = now(),
     retry_at = now() + %(delay)s * interval '1 second',
-    errors = errors || jsonb_build_array(%(error)s::jsonb)
+    errors = errors || jsonb_build_array(%(error)s::jsonb),
+    unique_queued_key = NULL  -- it has started: a queued-scope key is released (0007)
 WHERE id = %(id)s AND state = 'available'
 RETURNING id
 """

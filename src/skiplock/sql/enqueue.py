@@ -45,13 +45,19 @@ FROM unnest(%(queues)s::text[], %(tasks)s::text[], %(args)s::text[], %(prioritie
      AS u(q, t, a, p, r, d, m, k, qk),
      LATERAL (SELECT COALESCE(r, now() + d * interval '1 second') AS due) AS l
 ON CONFLICT DO NOTHING
-RETURNING id, coalesce(unique_key, unique_queued_key)
+RETURNING id, unique_key, unique_queued_key
 """
 
 JOB_FIND_UNIQUE_MANY = """
-SELECT id, coalesce(unique_key, unique_queued_key) FROM {jobs}
+SELECT id,
+       CASE WHEN unique_key = ANY(%(keys)s::text[]) AND state <> 'dead'
+            THEN unique_key END,
+       CASE WHEN unique_queued_key = ANY(%(queued_keys)s::text[])
+             AND state IN ('scheduled', 'available', 'retryable')
+            THEN unique_queued_key END
+FROM {jobs}
 WHERE (unique_key = ANY(%(keys)s::text[]) AND state <> 'dead')
-   OR (unique_queued_key = ANY(%(keys)s::text[])
+   OR (unique_queued_key = ANY(%(queued_keys)s::text[])
        AND state IN ('scheduled', 'available', 'retryable'))
 """
 
