@@ -147,7 +147,7 @@ def _supervise(args: argparse.Namespace) -> int:
     ]
     if args.no_liveness_lock:
         command.append("--no-liveness-lock")
-    command += ["--history-retention-days", str(args.history_retention_days)]
+    command += ["--history-retention-days", f"{args.history_retention_days:g}"]
     if args.metrics_port:
         raise ConfigurationError(
             "--metrics-port serves one process; with --processes run the workers "

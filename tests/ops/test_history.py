@@ -264,12 +264,6 @@ class _Started(Exception):  # noqa: N818 - a signal for the test, not an error
     """Raised instead of starting a process; carries nothing."""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: cli._supervise builds the command of each worker process without "
-    "--history-retention-days (nor --metrics-port), so with --processes > 1 history is "
-    "dropped after the default 7 days whatever was asked",
-)
 def test_worker_processes_keep_the_history_retention_asked_for(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
