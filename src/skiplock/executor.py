@@ -51,8 +51,26 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
+class ArgumentsError(Exception):
+    """A job's stored arguments cannot be decoded (a row written by hand, say)."""
+
+
 def claimed_from_row(row: Sequence[Any]) -> ClaimedJob:
-    return ClaimedJob(*row)
+    """The claimed row, its arguments decoded here so a bad row fails alone."""
+    job_id, queue, task, args_text, priority, run_at, attempts, max_attempts, created = row
+    args: dict[str, Any] = {}
+    problem = None
+    try:
+        decoded = json.loads(args_text)
+        if isinstance(decoded, dict):
+            args = decoded
+        else:
+            problem = "arguments are not a JSON object"
+    except (ValueError, RecursionError) as exc:
+        problem = f"cannot decode the job's arguments: {str(exc)[:200]}"
+    return ClaimedJob(
+        job_id, queue, task, args, priority, run_at, attempts, max_attempts, created, problem
+    )
 
 
 def error_record(exc: BaseException, attempt: int, now: datetime) -> dict[str, Any]:
@@ -128,6 +146,8 @@ async def run_leased(
     try:
         task = app.get_task(job.task)
         policy = task.options.retry
+        if job.args_error is not None:
+            raise ArgumentsError(job.args_error)
         # Each asyncio task runs in its own context copy, so this is per job.
         set_current_job(job, cancel, progress)
         if task.is_async:
@@ -246,6 +266,8 @@ async def run_transactional_async(
             set_current_job(job)
             started = time.perf_counter()
             try:
+                if job.args_error is not None:
+                    raise ArgumentsError(job.args_error)
                 async with conn.transaction():
                     result = await asyncio.wait_for(task.fn(conn, **job.args), task.options.timeout)
             except asyncio.TimeoutError:
@@ -290,6 +312,8 @@ def run_transactional_sync(
                 ms = str(max(int(task.options.timeout * 1000), 1))
                 conn.execute(render(complete.SESSION_LIMIT, app.schema), {"ms": ms})
             try:
+                if job.args_error is not None:
+                    raise ArgumentsError(job.args_error)
                 with conn.transaction():
                     result = task.fn(conn, **job.args)
             except Exception as failure:

@@ -92,6 +92,7 @@ class Producer:
         self._patience = fetch_patience
         self._backpressure = backpressure
         self.claims = 0
+        self.pending: asyncio.Future[int] | None = None
 
     async def run(self) -> None:
         rng = random.Random()
@@ -108,12 +109,23 @@ class Producer:
             # Clear before claiming: a notification that lands during the claim re-arms it.
             self._wake.clear()
             try:
-                got = await self._fetch(want)
+                # Shielded: a claim commits in the database before its rows reach us, so
+                # cancelling it half-way (at shutdown) would strand the claimed jobs. The
+                # worker awaits `pending` before it drains.
+                self.pending = asyncio.ensure_future(self._fetch(want))
+                got = await asyncio.shield(self.pending)
                 failures = 0
             except psycopg.OperationalError as exc:
                 failures += 1
                 delay = RECONNECT.delay(failures, rng)
                 log.warning("%s: claim failed (%s); retrying in %.2fs", self.name, exc, delay)
+                await asyncio.sleep(delay)
+                continue
+            except Exception:
+                # Anything else must not end claiming on this queue for good.
+                failures += 1
+                delay = RECONNECT.delay(failures, rng)
+                log.exception("%s: claim failed; retrying in %.2fs", self.name, delay)
                 await asyncio.sleep(delay)
                 continue
             self.claims += 1

@@ -198,7 +198,12 @@ def encode_args(task_name: str, args: Mapping[str, Any]) -> str:
     same float."""
     large: list[float] = []
     for key, value in args.items():
-        problem = _json_problem(value, f"argument {key!r}", large)
+        try:
+            problem = _json_problem(key, f"argument name {key!r}", large) or _json_problem(
+                value, f"argument {key!r}", large
+            )
+        except RecursionError:
+            problem = f"argument {key!r} is nested too deeply to store"
         if problem:
             raise EnqueueError(f"cannot enqueue {task_name}: {problem}")
     try:

@@ -82,3 +82,5 @@ class ClaimedJob:
     attempts: int
     max_attempts: int
     created_at: datetime
+    # Set when the row's arguments could not be decoded: the job fails with this message.
+    args_error: str | None = None

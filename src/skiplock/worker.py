@@ -270,6 +270,9 @@ class Worker:
             for task in producer_tasks:
                 task.cancel()
             await asyncio.gather(*producer_tasks, return_exceptions=True)
+            # A claim in flight when its producer was cancelled still delivers its jobs.
+            in_flight = [p.pending for p in producers if p.pending and not p.pending.done()]
+            await asyncio.gather(*in_flight, return_exceptions=True)
             await self._drain(completer, pool)
             for task in background:
                 task.cancel()

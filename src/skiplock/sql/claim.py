@@ -13,7 +13,10 @@ WORKER_SESSION_OPTIONS = "-c synchronous_commit=off"
 # more rows than the limit. The inner ORDER BY matches the jobs_claim index exactly.
 # run_at <= now() guards rows inserted by hand as 'available' with a future run_at. The
 # paused check is a single primary-key lookup, evaluated once per claim.
-# attempts + 1 becomes this attempt's fencing token.
+# attempts + 1 becomes this attempt's fencing token. Arguments come back as text and
+# timestamps clamped to what Python's datetime can hold, so that a row written by hand
+# that Python cannot decode fails as one job (executor.claimed_from_row) instead of
+# failing the whole claim.
 JOB_CLAIM_BATCH = """
 WITH picked AS (
     SELECT id
@@ -37,8 +40,10 @@ SET state = 'running',
     lease_expires_at = now() + %(lease_seconds)s * interval '1 second'
 FROM picked
 WHERE j.id = picked.id
-RETURNING j.id, j.queue, j.task, j.args, j.priority, j.run_at, j.attempts, j.max_attempts,
-          j.created_at
+RETURNING j.id, j.queue, j.task, j.args::text, j.priority,
+          least(greatest(j.run_at, '0001-01-02'), '9999-12-30'),
+          j.attempts, j.max_attempts,
+          least(greatest(j.created_at, '0001-01-02'), '9999-12-30')
 """
 
 # The same claim resumed after a position: the row comparison is an index condition, so
@@ -61,7 +66,9 @@ if JOB_CLAIM_BATCH_AFTER == JOB_CLAIM_BATCH:  # pragma: no cover - guards the ed
 # claim; it lasts exactly as long as the caller's transaction, so a crash rolls everything
 # back and the job is claimable again with attempts unchanged.
 JOB_LOCK_BATCH = """
-SELECT id, queue, task, args, priority, run_at, attempts, max_attempts, created_at
+SELECT id, queue, task, args::text, priority,
+       least(greatest(run_at, '0001-01-02'), '9999-12-30'), attempts, max_attempts,
+       least(greatest(created_at, '0001-01-02'), '9999-12-30')
 FROM {jobs}
 WHERE queue = %(queue)s
   AND state = 'available'
