@@ -98,6 +98,8 @@ class CronSchedule:
     days_restricted: bool
     weekdays_restricted: bool
     tz: tzinfo
+    # "*" hours: the second pass through a repeated local hour (DST ending) fires too.
+    hours_every: bool = False
 
     def _day_matches(self, day: datetime) -> bool:
         weekday = (day.weekday() + 1) % 7  # Python: Monday = 0; cron: Sunday = 0
@@ -108,9 +110,43 @@ class CronSchedule:
         return in_days and in_weekdays
 
     def next_after(self, moment: datetime) -> datetime:
-        """The first fire time strictly after ``moment`` (aware), in UTC."""
+        """The first fire time strictly after ``moment`` (aware), in UTC.
+
+        Walks local wall-clock time: a time skipped when DST starts fires an hour later
+        (02:30 becomes 03:30), and a time repeated when DST ends fires once, at its first
+        occurrence, unless the hour field is ``*``: then the repeated hour's minutes fire
+        again, as in Vixie cron.
+        """
         if moment.tzinfo is None:
             raise ValueError("next_after needs a timezone-aware datetime")
+        first = self._next_local(moment)
+        if self.hours_every and self.tz is not timezone.utc:
+            repeated = self._repeated_between(moment, first)
+            if repeated is not None:
+                return repeated
+        return first
+
+    def _repeated_between(self, moment: datetime, until: datetime) -> datetime | None:
+        """The first matching minute in the second pass of a repeated local hour, after
+        ``moment`` and before ``until``; None when there is none."""
+        hour = moment.astimezone(timezone.utc).replace(minute=0, second=0, microsecond=0)
+        while hour < until:
+            if hour.astimezone(self.tz).fold == 1:
+                for minute in sorted(self.minutes):
+                    candidate = hour + timedelta(minutes=minute)
+                    local = candidate.astimezone(self.tz)
+                    if (
+                        moment < candidate < until
+                        and local.fold == 1
+                        and local.month in self.months
+                        and self._day_matches(local)
+                        and local.minute in self.minutes
+                    ):
+                        return candidate
+            hour += timedelta(hours=1)
+        return None
+
+    def _next_local(self, moment: datetime) -> datetime:
         local = moment.astimezone(self.tz).replace(second=0, microsecond=0, tzinfo=None)
         candidate = local + timedelta(minutes=1)
         limit = candidate + timedelta(days=_HORIZON_DAYS)
@@ -161,6 +197,7 @@ def parse_cron(expression: str, tz: str | None = None) -> CronSchedule:
         days_restricted=not parts[2].startswith("*"),
         weekdays_restricted=not parts[4].startswith("*"),
         tz=zone,
+        hours_every=parts[1].startswith("*"),
     )
     try:
         schedule.next_after(datetime(2000, 1, 1, tzinfo=timezone.utc))

@@ -280,12 +280,6 @@ def test_fall_back_a_time_in_the_repeated_hour_fires_once() -> None:
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: next_after walks local wall-clock time, so a schedule with an "
-    "unrestricted hour skips the repeated hour when DST ends (hourly: no tick at 01:00 UTC "
-    "on 2026-10-25 in Europe/Berlin; */15: 75 minutes without a tick)",
-)
 def test_fall_back_hourly_keeps_firing_every_real_hour() -> None:
     assert fires("0 * * * *", utc(2026, 10, 24, 23, 30), 3, BERLIN) == [
         utc(2026, 10, 25, 0),  # 02:00 summer time
