@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import queue
 import signal
 import statistics
 import subprocess
@@ -245,6 +246,7 @@ def _ceiling_process(url: str, schema: str, batch: int, start: Any, result: Any)
                     "ids": [r[0] for r in rows],
                     "attempts": [r[6] for r in rows],
                     "results": [None] * len(rows),
+                    "progress": [None] * len(rows),
                     "worker_id": worker_id,
                 },
             )
@@ -269,7 +271,15 @@ def ceiling_once(url: str, schema: str, jobs: int, batch: int) -> float:
             child.start()
         start.wait()  # every client connected: time the work, not process start-up
         started = time.perf_counter()
-        total = sum(results.get(timeout=600) for _ in children)
+        total = 0
+        for _ in children:
+            while True:
+                try:
+                    total += results.get(timeout=1)
+                    break
+                except queue.Empty:
+                    if any(c.exitcode not in (None, 0) for c in children):
+                        raise RuntimeError("a ceiling client process failed") from None
         elapsed = time.perf_counter() - started
         for child in children:
             child.join()

@@ -12,6 +12,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 from uuid import UUID
 
@@ -42,7 +43,7 @@ class Outcome:
     # The handler's latest set_progress() not yet written: it goes in with the outcome.
     progress_json: str | None = None
 
-    @property
+    @cached_property
     def kind(self) -> str:
         """completed, retried, dead, snoozed or cancelled: one word for logs and metrics."""
         if self.cancelled:
@@ -68,7 +69,8 @@ def outcome_writes(batch: list[Outcome]) -> list[tuple[str, dict[str, Any]]]:
     groups: dict[str, list[Outcome]] = {}
     for outcome in batch:
         kind = outcome.kind
-        groups.setdefault("failed" if kind in ("retried", "dead") else kind, []).append(outcome)
+        group = "failed" if kind in ("retried", "dead") else kind
+        groups.setdefault(group, []).append(outcome)
     writes = []
     for group, outcomes in groups.items():
         params: dict[str, Any] = {

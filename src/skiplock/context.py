@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
@@ -11,7 +10,25 @@ from typing import Any
 from skiplock.types import ClaimedJob
 
 _current: ContextVar[ClaimedJob | None] = ContextVar("skiplock_current_job", default=None)
-_cancel: ContextVar[threading.Event | None] = ContextVar("skiplock_cancel", default=None)
+
+
+class CancelFlag:
+    """Set once, read from any thread. Lighter than threading.Event, of which only this
+    much is needed: one is made for every job."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
+_cancel: ContextVar[CancelFlag | None] = ContextVar("skiplock_cancel", default=None)
 _progress: ContextVar[Callable[[str], None] | None] = ContextVar("skiplock_progress", default=None)
 MAX_PROGRESS_BYTES = 64 * 1024
 
@@ -53,7 +70,7 @@ def set_progress(value: Any) -> None:
 
 def set_current_job(
     job: ClaimedJob | None,
-    cancel: threading.Event | None = None,
+    cancel: CancelFlag | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> None:
     _current.set(job)

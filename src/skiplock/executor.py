@@ -12,7 +12,6 @@ import contextvars
 import json
 import logging
 import random
-import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -25,7 +24,7 @@ import psycopg
 from skiplock.app import App
 from skiplock.completer import Outcome
 from skiplock.config import done_channel
-from skiplock.context import set_current_job
+from skiplock.context import CancelFlag, set_current_job
 from skiplock.errors import Retry, Snooze, UnknownTaskError
 from skiplock.retry import RetryPolicy, decide_failure, retry_at_from
 from skiplock.sql import claim, complete, render
@@ -134,7 +133,7 @@ async def run_leased(
     *,
     clock: Clock = utcnow,
     rng: random.Random,
-    cancel: threading.Event | None = None,
+    cancel: CancelFlag | None = None,
     progress: Callable[[str], None] | None = None,
     on_abandoned: Callable[[asyncio.Future[Any]], None] | None = None,
 ) -> Outcome:

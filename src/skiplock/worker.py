@@ -14,7 +14,6 @@ import os
 import random
 import signal
 import socket
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +30,7 @@ from skiplock import executor, history
 from skiplock.app import App
 from skiplock.completer import Completer, Outcome
 from skiplock.config import control_channel, notify_channel
+from skiplock.context import CancelFlag
 from skiplock.cursor import ClaimCursor, Wakeup
 from skiplock.errors import ConfigurationError, SchemaNotReadyError
 from skiplock.leadership import Leadership
@@ -122,7 +122,7 @@ class Worker:
         self._leased: dict[int, tuple[int, asyncio.Task[None]]] = {}
         self._sessions: set[asyncio.Task[None]] = set()
         self._sync_sessions: set[asyncio.Task[None]] = set()
-        self._cancel_flags: dict[int, threading.Event] = {}
+        self._cancel_flags: dict[int, CancelFlag] = {}
         self._job_tasks: dict[int, str] = {}
         self._progress: dict[int, tuple[int, str]] = {}
         self._abandon = asyncio.Event()
@@ -405,7 +405,7 @@ class Worker:
         return fetch
 
     async def _run_leased(self, job: ClaimedJob, threads: ThreadPoolExecutor, slots: Slots) -> None:
-        cancel = self._cancel_flags[job.id] = threading.Event()
+        cancel = self._cancel_flags[job.id] = CancelFlag()
         try:
             started = time.perf_counter()
             try:
@@ -431,12 +431,13 @@ class Worker:
                 outcome = dataclasses.replace(outcome, progress_json=pending[1])
             kind = outcome.kind
             self.metrics.job_finished(job.queue, job.task, kind, time.perf_counter() - started)
-            log.debug(
-                "job %s %s",
-                job.id,
-                kind,
-                extra={"job_id": job.id, "task": job.task, "attempt": job.attempts},
-            )
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "job %s %s",
+                    job.id,
+                    kind,
+                    extra={"job_id": job.id, "task": job.task, "attempt": job.attempts},
+                )
             assert self.completer is not None
             if self._leased.get(job.id, (None,))[0] == job.attempts:
                 self.completer.add(outcome)
