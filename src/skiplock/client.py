@@ -8,7 +8,7 @@ by the sync and async shells, which only execute.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import psycopg
@@ -42,7 +42,12 @@ def _copy_rows(
     """Rows for JOB_COPY_IN: run_at and state decided against the transaction's now()."""
     rows = []
     for job_id, spec in zip(ids, specs, strict=True):
-        run_at = spec.run_at or (now + timedelta(seconds=spec.delay) if spec.delay else now)
+        # UTC: COPY refuses some offsets (fractions of a second) that INSERT accepts.
+        run_at = (
+            spec.run_at.astimezone(timezone.utc)
+            if spec.run_at
+            else (now + timedelta(seconds=spec.delay) if spec.delay else now)
+        )
         state = "scheduled" if run_at > now else "available"
         rows.append(
             (

@@ -28,7 +28,7 @@ def resolve_database_url(explicit: str | None = None) -> str:
 
 def validate_schema(name: str) -> str:
     """Schema names are plain lowercase identifiers: they become part of channel names."""
-    if not _SCHEMA_NAME.match(name):
+    if not _SCHEMA_NAME.fullmatch(name):
         raise ConfigurationError(
             f"invalid schema name {name!r}: use lowercase letters, digits and underscores, "
             "starting with a letter or underscore (at most 51 characters)"

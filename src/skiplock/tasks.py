@@ -40,7 +40,7 @@ def check_name(kind: str, value: object, max_length: int) -> str:
         raise ConfigurationError(f"{kind} name must be a non-empty string, got {value!r}")
     if len(value) > max_length:
         raise ConfigurationError(f"{kind} name is {len(value)} characters; at most {max_length}")
-    if not _NAME.match(value):
+    if not _NAME.fullmatch(value):
         raise ConfigurationError(
             f"{kind} name {value!r} may only contain letters, digits and '_', '.', ':', '-'"
         )
@@ -95,9 +95,19 @@ def _check_priority(value: object) -> int:
     return value
 
 
+MAX_ATTEMPTS_LIMIT = 1_000_000
+MAX_DELAY_SECONDS = 100 * 365 * 24 * 3600.0
+
+
 def _check_max_attempts(value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigurationError(f"max_attempts must be an integer >= 1, got {value!r}")
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or not (1 <= value <= MAX_ATTEMPTS_LIMIT)
+    ):
+        raise ConfigurationError(
+            f"max_attempts must be an integer from 1 to {MAX_ATTEMPTS_LIMIT:,}, got {value!r}"
+        )
     return value
 
 
@@ -131,6 +141,10 @@ def _check_unique(scope: object, key: object) -> None:
         )
     if not isinstance(key, (bool, str)) or key == "":
         raise ConfigurationError(f"a unique key must be a non-empty string, got {key!r}")
+    if isinstance(key, str):
+        problem = _json_problem(key, f"unique key {key!r}", [])
+        if problem:
+            raise ConfigurationError(problem)
 
 
 def _json_problem(value: object, path: str, large: list[float]) -> str | None:
@@ -354,9 +368,12 @@ class TaskCall(Generic[R]):
         if (
             not isinstance(delay, (int, float))
             or isinstance(delay, bool)
-            or not (math.isfinite(delay) and delay >= 0)
+            or not (math.isfinite(delay) and 0 <= delay <= MAX_DELAY_SECONDS)
         ):
-            raise ConfigurationError(f"delay must be a number of seconds >= 0, got {delay!r}")
+            raise ConfigurationError(
+                f"delay must be a number of seconds from 0 to {MAX_DELAY_SECONDS:.0f} "
+                f"(100 years), got {delay!r}"
+            )
         if run_at is not None and "delay" in options:
             raise ConfigurationError("give run_at or delay, not both")
         return replace(self, **options)

@@ -46,6 +46,7 @@ from skiplock.types import ClaimedJob
 
 log = logging.getLogger("skiplock.worker")
 
+FINAL_WRITES_SECONDS = 15.0
 STARTUP_RETRY = RetryPolicy(base=0.5, factor=2.0, cap=15.0, jitter=0.5)
 
 
@@ -777,18 +778,26 @@ class Worker:
                 if session in still and session in self._sync_sessions:
                     self.abandoned_threads += 1
                 session.cancel()
-        for _ in range(50):
+        # Bounded: a write stuck behind a lock must not keep the process from exiting.
+        # Whatever is not written here is rescued (liveness, or lease expiry) and re-run.
+        deadline = asyncio.get_running_loop().time() + FINAL_WRITES_SECONDS
+        while asyncio.get_running_loop().time() < deadline:
+            remaining = deadline - asyncio.get_running_loop().time()
             try:
                 if completer.backlog:
-                    await completer.flush()
+                    await asyncio.wait_for(completer.flush(), remaining)
                 if unfinished:
-                    await self._release(pool, unfinished)
+                    await asyncio.wait_for(self._release(pool, unfinished), remaining)
                     unfinished = {}
                 if not completer.backlog:
-                    break
-            except psycopg.OperationalError as exc:
-                log.warning("final writes failed (%s); retrying", exc)
+                    return
+            except (psycopg.OperationalError, asyncio.TimeoutError) as exc:
+                log.warning("final writes failed (%r); retrying", exc)
                 await asyncio.sleep(0.2)
+        log.error(
+            "gave up writing %d outcomes at shutdown; their jobs will be rescued and re-run",
+            completer.backlog + len(unfinished),
+        )
 
     async def _release(self, pool: AsyncConnectionPool[Any], jobs: dict[int, int]) -> None:
         async with pool.connection() as conn:

@@ -40,8 +40,14 @@ WITH gone AS (
             'traceback', NULL)),
         worker_id = NULL,
         lease_expires_at = NULL
-    WHERE state = 'running' AND worker_id IN (SELECT id FROM gone)
-      AND cancel_requested_at IS NULL
+    WHERE id IN (
+        -- SKIP LOCKED here and below: a row locked by another transaction must never
+        -- make the leader wait, or one stuck session would stop every rescue and the
+        -- leader's own heartbeats. A skipped row is rescued on a later pass.
+        SELECT id FROM {jobs}
+        WHERE state = 'running' AND worker_id IN (SELECT id FROM gone)
+          AND cancel_requested_at IS NULL
+        FOR UPDATE SKIP LOCKED)
     RETURNING queue, priority, run_at
 )"""
     + NOTIFY_MOVED
@@ -52,9 +58,12 @@ WITH gone AS (
 JOB_CANCEL_ABANDONED = """
 WITH done AS (
     DELETE FROM {jobs}
-    WHERE state = 'running' AND cancel_requested_at IS NOT NULL
-      AND (lease_expires_at < now()
-           OR NOT EXISTS (SELECT 1 FROM {workers} AS w WHERE w.id = worker_id))
+    WHERE id IN (
+        SELECT id FROM {jobs} AS j
+        WHERE state = 'running' AND cancel_requested_at IS NOT NULL
+          AND (lease_expires_at < now()
+               OR NOT EXISTS (SELECT 1 FROM {workers} AS w WHERE w.id = j.worker_id))
+        FOR UPDATE SKIP LOCKED)
     RETURNING *
 )
 INSERT INTO {history} (id, queue, task, args, state, priority, attempts, max_attempts, errors,
@@ -84,7 +93,10 @@ SET state = CASE WHEN attempts >= max_attempts THEN 'dead' ELSE 'available' END,
         'traceback', NULL)),
     worker_id = NULL,
     lease_expires_at = NULL
-WHERE state = 'running' AND lease_expires_at < now() AND cancel_requested_at IS NULL
+WHERE id IN (
+    SELECT id FROM {jobs}
+    WHERE state = 'running' AND lease_expires_at < now() AND cancel_requested_at IS NULL
+    FOR UPDATE SKIP LOCKED)
 RETURNING queue, priority, run_at
 )"""
     + NOTIFY_MOVED

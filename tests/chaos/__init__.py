@@ -1,0 +1,1 @@
+"""The chaos suite: real worker processes killed, cut off, stopped and restarted."""
