@@ -162,9 +162,10 @@ def worker_processes(
 
 
 def _wait_drained(conn: psycopg.Connection[Any], schema: str, timeout: float) -> None:
-    query = sql.SQL("SELECT EXISTS (SELECT 1 FROM {} WHERE state <> 'dead')").format(
-        sql.Identifier(schema, "jobs")
-    )
+    # Drained: nothing left to run now (the `scheduled` scenario's far-future jobs stay).
+    query = sql.SQL(
+        "SELECT EXISTS (SELECT 1 FROM {} WHERE state IN ('available', 'running', 'retryable'))"
+    ).format(sql.Identifier(schema, "jobs"))
     deadline = time.monotonic() + timeout
     while True:
         row = conn.execute(query).fetchone()
