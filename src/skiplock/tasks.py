@@ -95,7 +95,7 @@ def _check_priority(value: object) -> int:
     return value
 
 
-MAX_ATTEMPTS_LIMIT = 1_000_000
+MAX_ATTEMPTS_LIMIT = 2**31 - 1  # the column is an integer
 MAX_DELAY_SECONDS = 100 * 365 * 24 * 3600.0
 
 
