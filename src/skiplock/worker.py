@@ -661,12 +661,23 @@ class Worker:
                             report.dropped,
                             report.pruned_rows,
                         )
-                statements = [maintenance.JOB_RESCUE_ORPHANED, maintenance.JOB_CANCEL_ABANDONED]
+                statements = []
                 if now >= next_expired:
+                    # Both walk the running index; every half lease is soon enough for a
+                    # hung worker's jobs and for cancellations whose worker is gone.
                     next_expired = now + expired_every
-                    statements.append(maintenance.JOB_RESCUE_EXPIRED)
+                    statements += [maintenance.JOB_RESCUE_EXPIRED, maintenance.JOB_CANCEL_ABANDONED]
                 rescued = 0
                 async with pool.connection() as conn:
+                    async with conn.transaction():
+                        cur = await conn.execute(render(maintenance.WORKERS_GONE, schema))
+                        gone = [row[0] for row in await cur.fetchall()]
+                        if gone:
+                            cur = await conn.execute(
+                                render(maintenance.JOB_RESCUE_ORPHANED, schema),
+                                {**params, "workers": gone},
+                            )
+                            rescued += sum(int(row[1]) for row in await cur.fetchall())
                     for statement in statements:
                         # Each statement notifies the queues it refilled (and so us).
                         cur = await conn.execute(render(statement, schema), params)

@@ -23,13 +23,18 @@ WORKER_LOCK = """
 SELECT pg_advisory_lock(hashtextextended(%(id)s::text, 0))
 """
 
+WORKERS_GONE = """
+DELETE FROM {workers}
+WHERE holds_lock AND pg_try_advisory_xact_lock(hashtextextended(id::text, 0))
+RETURNING id
+"""
+
+# Run only when WORKERS_GONE found someone, in the same transaction: with no worker gone
+# the planner could still scan the running index, which while VACUUM is held back has an
+# entry for every job that ever ran.
 JOB_RESCUE_ORPHANED = (
     """
-WITH gone AS (
-    DELETE FROM {workers}
-    WHERE holds_lock AND pg_try_advisory_xact_lock(hashtextextended(id::text, 0))
-    RETURNING id
-), moved AS (
+WITH moved AS (
     UPDATE {jobs}
     SET state = CASE WHEN attempts >= max_attempts THEN 'dead' ELSE 'available' END,
         errors = errors || jsonb_build_array(jsonb_build_object(
@@ -45,7 +50,7 @@ WITH gone AS (
         -- make the leader wait, or one stuck session would stop every rescue and the
         -- leader's own heartbeats. A skipped row is rescued on a later pass.
         SELECT id FROM {jobs}
-        WHERE state = 'running' AND worker_id IN (SELECT id FROM gone)
+        WHERE state = 'running' AND worker_id = ANY(%(workers)s::uuid[])
           AND cancel_requested_at IS NULL
         FOR UPDATE SKIP LOCKED)
     RETURNING queue, priority, run_at
