@@ -20,12 +20,25 @@ def test_the_insert_trigger_fires_once_per_statement_after_insert(
     rows = autocommit.execute(
         "SELECT t.tgname, pg_get_triggerdef(t.oid) FROM pg_trigger t "
         "WHERE t.tgrelid = 'skiplock.jobs'::regclass AND NOT t.tgisinternal"
+        "  AND pg_get_triggerdef(t.oid) LIKE '%AFTER INSERT%'"
     ).fetchall()
 
     assert len(rows) == 1
     definition = rows[0][1]
-    assert "AFTER INSERT" in definition
     assert "FOR EACH STATEMENT" in definition
+
+
+def test_the_key_triggers_fire_only_for_keyed_rows(autocommit: psycopg.Connection[Any]) -> None:
+    """The row triggers of 0008 must cost plain jobs nothing but their WHEN test."""
+    rows = autocommit.execute(
+        "SELECT pg_get_triggerdef(t.oid) FROM pg_trigger t "
+        "WHERE t.tgrelid = 'skiplock.jobs'::regclass AND NOT t.tgisinternal"
+        "  AND pg_get_triggerdef(t.oid) NOT LIKE '%AFTER INSERT%'"
+    ).fetchall()
+
+    assert len(rows) == 2
+    for (definition,) in rows:
+        assert "FOR EACH ROW WHEN (((old.ordering_key IS NOT NULL) AND" in definition
 
 
 def test_a_multi_row_insert_notifies_each_queue_once(

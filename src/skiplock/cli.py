@@ -306,8 +306,33 @@ def cmd_queues(args: argparse.Namespace) -> int:
         if args.queues_command == "list":
             paused = client.paused_queues(conn, app.schema)
             print("paused: " + (", ".join(paused) if paused else "none"))
+            for row in client.list_queues(conn, app.schema):
+                limits = []
+                if row["concurrency_limit"] is not None:
+                    limits.append(f"at most {row['concurrency_limit']} running")
+                if row["rate_limit"] is not None:
+                    rate, period = row["rate_limit"], row["rate_period"]
+                    limits.append(f"at most {rate} started per {period:g}s")
+                if limits:
+                    print(f"limits: {row['name']}: " + ", ".join(limits))
             return 0
         check_name("queue", args.queue, MAX_QUEUE_NAME)
+        if args.queues_command == "limit":
+            rate = client.parse_rate(args.rate) if args.rate else None
+            client.set_queue_limits(
+                conn, app.schema, args.queue, concurrency=args.concurrency, rate=rate
+            )
+            if args.concurrency is None and rate is None:
+                print(f"queue {args.queue}: no limits")
+            else:
+                print(
+                    f"queue {args.queue}: "
+                    + ", ".join(
+                        ([f"at most {args.concurrency} running"] if args.concurrency else [])
+                        + ([f"at most {rate[0]} started per {rate[1]:g}s"] if rate else [])
+                    )
+                )
+            return 0
         paused = args.queues_command == "pause"
         client.set_queue_paused(conn, app.schema, args.queue, paused=paused)
     print(f"queue {args.queue} {'paused: no new claims' if paused else 'resumed'}")
@@ -349,13 +374,14 @@ def status_alerts(
 
 def _print_status(queues: list[dict[str, Any]], workers: list[dict[str, Any]]) -> None:
     print(
-        f"{'queue':<16}{'available':>10}{'scheduled':>10}{'running':>8}{'retryable':>10}"
+        f"{'queue':<16}{'blocked':>8}{'available':>10}{'scheduled':>10}{'running':>8}"
+        f"{'retryable':>10}"
         f"{'dead':>6}{'oldest ready':>13}{'done/1m':>9}{'failed/1m':>10}{'workers':>8}"
     )
     for row in queues:
         oldest = row["oldest_ready_seconds"]
         print(
-            f"{row['queue']:<16}{row['available']:>10}{row['scheduled']:>10}"
+            f"{row['queue']:<16}{row['blocked']:>8}{row['available']:>10}{row['scheduled']:>10}"
             f"{row['running']:>8}{row['retryable']:>10}{row['dead']:>6}"
             f"{(f'{oldest:.1f}s' if oldest is not None else '-'):>13}"
             f"{row['completed_last_minute']:>9}{row['failed_last_minute']:>10}"
@@ -532,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("jobs", help="list, show, retry or cancel jobs")
     jobs = p.add_subparsers(dest="jobs_command", required=True)
-    states = ["scheduled", "available", "running", "retryable", "dead"]
+    states = ["blocked", "scheduled", "available", "running", "retryable", "dead"]
 
     def add_filters(q: argparse.ArgumentParser) -> None:
         q.add_argument("--state", choices=states)
@@ -558,7 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     p.set_defaults(func=cmd_jobs)
 
-    p = sub.add_parser("queues", help="pause, resume and list paused queues")
+    p = sub.add_parser("queues", help="pause, resume, limit and list queues")
     queues = p.add_subparsers(dest="queues_command", required=True)
     for name, text in (
         ("pause", "stop claiming from a queue (running jobs finish)"),
@@ -566,7 +592,14 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         q = queues.add_parser(name, help=text)
         q.add_argument("queue")
-    queues.add_parser("list", help="list paused queues")
+    q = queues.add_parser(
+        "limit",
+        help="limit a queue across all workers (no options: remove its limits)",
+    )
+    q.add_argument("queue")
+    q.add_argument("--concurrency", type=int, help="at most this many jobs running at once")
+    q.add_argument("--rate", help="at most this many jobs started per period: 100/s, 600/minute")
+    queues.add_parser("list", help="list paused and limited queues")
     p.set_defaults(func=cmd_queues)
 
     p = sub.add_parser(

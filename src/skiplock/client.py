@@ -7,6 +7,7 @@ by the sync and async shells, which only execute.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -15,7 +16,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from skiplock.config import control_channel, done_channel, notify_channel
-from skiplock.errors import JobNotFoundError
+from skiplock.errors import ConfigurationError, JobNotFoundError
 from skiplock.sql import admin, complete, enqueue, render
 from skiplock.tasks import JobSpec
 from skiplock.types import Job, JobState
@@ -33,14 +34,17 @@ def _one_params(spec: JobSpec) -> dict[str, Any]:
         "run_at": spec.run_at,
         "delay": spec.delay,
         "max_attempts": spec.max_attempts,
+        "ordering_key": spec.ordering_key,
+        "key_limit": spec.key_limit,
     }
 
 
 def _copy_rows(
-    specs: Sequence[JobSpec], ids: Sequence[int], now: datetime
+    specs: Sequence[JobSpec], ids: Sequence[int], now: datetime, *, keyed: bool = False
 ) -> list[tuple[Any, ...]]:
-    """Rows for JOB_COPY_IN: run_at and state decided against the transaction's now()."""
-    rows = []
+    """Rows for JOB_COPY_IN (JOB_COPY_IN_KEYED when ``keyed``): run_at and state decided
+    against the transaction's now()."""
+    rows: list[tuple[Any, ...]] = []
     for job_id, spec in zip(ids, specs, strict=True):
         # UTC: COPY refuses some offsets (fractions of a second) that INSERT accepts.
         run_at = (
@@ -48,19 +52,21 @@ def _copy_rows(
             if spec.run_at
             else (now + timedelta(seconds=spec.delay) if spec.delay else now)
         )
-        state = "scheduled" if run_at > now else "available"
-        rows.append(
-            (
-                job_id,
-                spec.queue,
-                spec.task,
-                spec.args_json,
-                spec.priority,
-                run_at,
-                state,
-                spec.max_attempts,
-            )
+        if spec.ordering_key is not None:
+            state = "blocked"
+        else:
+            state = "scheduled" if run_at > now else "available"
+        row = (
+            job_id,
+            spec.queue,
+            spec.task,
+            spec.args_json,
+            spec.priority,
+            run_at,
+            state,
+            spec.max_attempts,
         )
+        rows.append((*row, spec.ordering_key, spec.key_limit) if keyed else row)
     return rows
 
 
@@ -121,6 +127,8 @@ def _many_unique_params(specs: Sequence[JobSpec]) -> dict[str, Any]:
         "max_attempts": [s.max_attempts for s in specs],
         "unique_keys": [s.unique_key if s.unique_scope == "active" else None for s in specs],
         "unique_queued_keys": [s.unique_key if s.unique_scope == "queued" else None for s in specs],
+        "ordering_keys": [s.ordering_key for s in specs],
+        "key_limits": [s.key_limit for s in specs],
     }
 
 
@@ -188,8 +196,10 @@ def insert_jobs(conn: Conn, schema: str, specs: Sequence[JobSpec]) -> list[int]:
     ).fetchone()
     assert row is not None
     now, ids = row
-    with conn.cursor().copy(render(enqueue.JOB_COPY_IN, schema)) as copy:
-        for values in _copy_rows(specs, ids, now):
+    keyed = any(s.ordering_key for s in specs)
+    statement = enqueue.JOB_COPY_IN_KEYED if keyed else enqueue.JOB_COPY_IN
+    with conn.cursor().copy(render(statement, schema)) as copy:
+        for values in _copy_rows(specs, ids, now, keyed=keyed):
             copy.write_row(values)
     return list(ids)
 
@@ -215,8 +225,10 @@ async def insert_jobs_async(conn: AsyncConn, schema: str, specs: Sequence[JobSpe
     row = await cur.fetchone()
     assert row is not None
     now, ids = row
-    async with conn.cursor().copy(render(enqueue.JOB_COPY_IN, schema)) as copy:
-        for values in _copy_rows(specs, ids, now):
+    keyed = any(s.ordering_key for s in specs)
+    statement = enqueue.JOB_COPY_IN_KEYED if keyed else enqueue.JOB_COPY_IN
+    async with conn.cursor().copy(render(statement, schema)) as copy:
+        for values in _copy_rows(specs, ids, now, keyed=keyed):
             await copy.write_row(values)
     return list(ids)
 
@@ -361,6 +373,70 @@ def set_queue_paused(conn: Conn, schema: str, queue: str, *, paused: bool) -> No
         conn.execute(
             render(admin.QUEUE_WAKE, schema), {"queue": queue, "channel": notify_channel(schema)}
         )
+
+
+_RATE = re.compile(r"^\s*(\d+)\s*/\s*(\d*\.?\d*)\s*(s|sec|second|m|min|minute|h|hour|d|day)s?\s*$")
+_UNIT_SECONDS = {
+    "s": 1,
+    "sec": 1,
+    "second": 1,
+    "m": 60,
+    "min": 60,
+    "minute": 60,
+    "h": 3600,
+    "hour": 3600,
+    "d": 86400,
+    "day": 86400,
+}
+
+
+def parse_rate(text: str) -> tuple[int, float]:
+    """'100/s', '10/5s', '600/1m', '1000/hour' -> (jobs, period in seconds)."""
+    match = _RATE.match(text)
+    if match is None:
+        raise ConfigurationError(
+            f"rate {text!r}: write jobs/period, e.g. 100/s, 10/5s, 600/minute or 1000/h"
+        )
+    jobs, amount, unit = int(match[1]), match[2], match[3]
+    period = (float(amount) if amount else 1.0) * _UNIT_SECONDS[unit]
+    if jobs < 1 or jobs > 2**31 - 1 or period <= 0:
+        raise ConfigurationError(f"rate {text!r}: needs at least 1 job per a positive period")
+    return jobs, period
+
+
+def set_queue_limits(
+    conn: Conn,
+    schema: str,
+    queue: str,
+    *,
+    concurrency: int | None = None,
+    rate: tuple[int, float] | None = None,
+) -> None:
+    """Limit a queue across all workers: at most ``concurrency`` jobs running at once and
+    ``rate`` = (jobs, seconds) started per period. None removes a limit. Workers pick the
+    change up at once (and within a few seconds if the message is missed)."""
+    if concurrency is not None and not (
+        isinstance(concurrency, int) and 1 <= concurrency <= 2**31 - 1
+    ):
+        raise ConfigurationError(f"concurrency must be a positive integer, got {concurrency!r}")
+    if rate is not None and (rate[0] < 1 or not rate[1] > 0):
+        raise ConfigurationError(f"rate must be at least 1 job per positive period, got {rate!r}")
+    conn.execute(
+        render(admin.QUEUE_SET_LIMITS, schema),
+        {
+            "queue": queue,
+            "concurrency": concurrency,
+            "rate": rate[0] if rate else None,
+            "period": rate[1] if rate else None,
+        },
+    )
+    conn.execute(render(admin.QUEUE_LIMITS_CHANGED, schema), {"channel": control_channel(schema)})
+
+
+def list_queues(conn: Conn, schema: str) -> list[dict[str, Any]]:
+    """Queues with settings: paused or limited."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(render(admin.QUEUE_LIST, schema)).fetchall()
 
 
 def paused_queues(conn: Conn, schema: str) -> list[str]:

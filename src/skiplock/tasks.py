@@ -74,6 +74,9 @@ _CALL_OPTION_NAMES = (
     "delay",
     "unique_key",
     "unique_scope",
+    "ordering_key",
+    "concurrency_key",
+    "concurrency_limit",
 )
 UNIQUE_SCOPES = ("active", "queued")
 
@@ -256,6 +259,53 @@ class JobSpec:
     delay: float = 0.0
     unique_key: str | None = None
     unique_scope: str = "active"
+    # Keyed jobs wait their turn outside the claim (migration 0008): at most key_limit of
+    # a key's jobs are admitted at once, oldest first.
+    ordering_key: str | None = None
+    key_limit: int = 1
+
+
+MAX_KEY_LENGTH = 255
+MAX_KEY_LIMIT = 2**15 - 1  # the column is a smallint
+
+
+def _check_key(option: str, value: object) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_KEY_LENGTH:
+        raise ConfigurationError(
+            f"{option} must be a non-empty string of at most {MAX_KEY_LENGTH} characters, "
+            f"got {value!r}"
+        )
+    return value
+
+
+def _check_keys(options: Mapping[str, Any]) -> None:
+    """ordering_key, or concurrency_key with concurrency_limit: one key per job."""
+    if "ordering_key" in options and options["ordering_key"] is not None:
+        _check_key("ordering_key", options["ordering_key"])
+        if options.get("concurrency_key") is not None:
+            raise ConfigurationError(
+                "give ordering_key (one at a time, in order) or concurrency_key with "
+                "concurrency_limit, not both: a job has one key"
+            )
+        if "concurrency_limit" in options:
+            raise ConfigurationError(
+                "concurrency_limit goes with concurrency_key; an ordering_key runs one "
+                "job at a time"
+            )
+    if options.get("concurrency_key") is not None:
+        _check_key("concurrency_key", options["concurrency_key"])
+    if "concurrency_limit" in options:
+        limit = options["concurrency_limit"]
+        if options.get("concurrency_key") is None:
+            raise ConfigurationError("concurrency_limit needs a concurrency_key to count by")
+        if (
+            not isinstance(limit, int)
+            or isinstance(limit, bool)
+            or not (1 <= limit <= MAX_KEY_LIMIT)
+        ):
+            raise ConfigurationError(
+                f"concurrency_limit must be an integer from 1 to {MAX_KEY_LIMIT}, got {limit!r}"
+            )
 
 
 class Task(Generic[R]):
@@ -318,7 +368,8 @@ class Task(Generic[R]):
             raise EnqueueError(f"cannot enqueue {self.name}: {exc}") from None
 
     def with_options(self, /, **options: Any) -> TaskCall[R]:
-        """Override queue, priority, max_attempts, run_at or delay for the next enqueue."""
+        """Override queue, priority, max_attempts, run_at or delay for the next enqueue,
+        or give it a unique key, an ordering key or a concurrency key and limit."""
         return self._default_call.with_options(**options)
 
     def job(self, /, **args: Any) -> JobSpec:
@@ -347,9 +398,13 @@ class TaskCall(Generic[R]):
     delay: float = 0.0
     unique_key: str | None = None
     unique_scope: str | None = None
+    ordering_key: str | None = None
+    concurrency_key: str | None = None
+    concurrency_limit: int = 1
 
     def with_options(self, /, **options: Any) -> TaskCall[R]:
         _reject_unknown(options, _CALL_OPTION_NAMES, "enqueue")
+        _check_keys(options)
         if "unique_key" in options or "unique_scope" in options:
             key = options.get("unique_key")
             if key is not None and not isinstance(key, str):
@@ -376,6 +431,11 @@ class TaskCall(Generic[R]):
             )
         if run_at is not None and "delay" in options:
             raise ConfigurationError("give run_at or delay, not both")
+        # A later key replaces an earlier one of the other kind: a job has one key.
+        if options.get("ordering_key") is not None:
+            options = {"concurrency_key": None, "concurrency_limit": 1, **options}
+        elif options.get("concurrency_key") is not None:
+            options = {"ordering_key": None, **options}
         return replace(self, **options)
 
     def job(self, /, **args: Any) -> JobSpec:
@@ -399,6 +459,8 @@ class TaskCall(Generic[R]):
             max_attempts=self.max_attempts or task.options.max_attempts,
             run_at=self.run_at,
             delay=float(self.delay),
+            ordering_key=self.ordering_key or self.concurrency_key,
+            key_limit=self.concurrency_limit if self.concurrency_key else 1,
         )
 
     def enqueue(self, conn: psycopg.Connection[Any], /, **args: Any) -> JobRef:

@@ -12,11 +12,13 @@ from uuid import UUID
 class JobState(str, enum.Enum):
     """One vocabulary for SQL, Python, CLI and docs.
 
+    ``blocked`` jobs wait for their key's turn (ordering and concurrency keys);
     ``scheduled`` and ``retryable`` jobs wait for their ``run_at``; the promoter then makes
     them ``available``. ``completed`` and ``cancelled`` live in the history table; the rest
     in the hot table.
     """
 
+    BLOCKED = "blocked"
     SCHEDULED = "scheduled"
     AVAILABLE = "available"
     RUNNING = "running"

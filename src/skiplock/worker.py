@@ -40,13 +40,17 @@ from skiplock.notifier import Notifier
 from skiplock.periodic import enqueue_due
 from skiplock.producer import Producer, Slots
 from skiplock.retry import RetryPolicy
-from skiplock.sql import claim, complete, maintenance, render
+from skiplock.sql import claim, complete, keys, maintenance, render
 from skiplock.tasks import MAX_QUEUE_NAME, check_name
 from skiplock.types import ClaimedJob
 
 log = logging.getLogger("skiplock.worker")
 
 FINAL_WRITES_SECONDS = 15.0
+# Keys remembered between admission passes; past this, one full pass instead.
+ADMIT_KEYS_MAX = 1000
+# How often queue limits are re-read when no 'limits' message arrives.
+LIMITS_REFRESH_SECONDS = 5.0
 STARTUP_RETRY = RetryPolicy(base=0.5, factor=2.0, cap=15.0, jitter=0.5)
 
 
@@ -56,6 +60,7 @@ class WorkerStats:
     lost_leases: int = 0
     rescued: int = 0
     transactional_completed: int = 0
+    admitted: int = 0
 
 
 class Worker:
@@ -83,6 +88,7 @@ class Worker:
         history_retention: timedelta | None = timedelta(days=7),
         history_interval: float = 60.0,
         completer_interval: float = 0.002,
+        admit_interval: float = 5.0,
         liveness_lock: bool = True,
         metrics: NullMetrics | None = None,
     ) -> None:
@@ -109,6 +115,7 @@ class Worker:
         self.history_interval = history_interval
         self.metrics = metrics or NullMetrics()
         self.completer_interval = completer_interval
+        self.admit_interval = admit_interval
         self.liveness_lock = liveness_lock
         self.id: UUID = uuid4()
         self._rng = random.Random()
@@ -127,6 +134,14 @@ class Worker:
         self._job_tasks: dict[int, str] = {}
         self._progress: dict[int, tuple[int, str]] = {}
         self._abandon = asyncio.Event()
+        # Keyed jobs (0008): keys to admit, as asked by notifications; the leader admits.
+        self._admit_keys: set[str] = set()
+        self._admit_all = True
+        self._admit_wake = asyncio.Event()
+        # This worker's queues that have a concurrency or rate limit, and their wake-ups.
+        self._governed: set[str] = set()
+        self._wake: dict[str, asyncio.Event] = {}
+        self._limits_changed = False
         # Sync handlers still running when shutdown gave up on them. Their threads cannot
         # be stopped, and Python waits for them at exit: the CLI exits hard instead.
         self.abandoned_threads = 0
@@ -174,7 +189,7 @@ class Worker:
         await pool.open()
         threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="skiplock-job")
         slots = Slots(self.concurrency)
-        wake = {queue: asyncio.Event() for queue in self.queues}
+        wake = self._wake = {queue: asyncio.Event() for queue in self.queues}
         promote_wake = asyncio.Event()
         self.completer = completer = Completer(
             pool,
@@ -183,7 +198,7 @@ class Worker:
             interval=self.completer_interval,
             max_batch=max(2 * self.concurrency, 100),
             on_retry_written=promote_wake.set,
-            on_flush=self.metrics.flushed,
+            on_flush=self._flushed,
         )
         setup = None
         if self.liveness_lock:
@@ -203,6 +218,8 @@ class Worker:
                 cursor.force_sweep()
                 wake[queue].set()
             promote_wake.set()
+            self._admit_all = True
+            self._admit_wake.set()
 
         self._notifier = notifier = Notifier(
             url,
@@ -250,6 +267,7 @@ class Worker:
             asyncio.create_task(completer.run(), name="skiplock-completer"),
             asyncio.create_task(self._maintain(pool), name="skiplock-maintenance"),
             asyncio.create_task(self._promote(pool, promote_wake), name="skiplock-promoter"),
+            asyncio.create_task(self._admit(pool), name="skiplock-admission"),
         ]
         producer_tasks: list[asyncio.Task[None]] = []
         try:
@@ -257,6 +275,7 @@ class Worker:
             # would take this worker for dead, drop its registration and hand its jobs on.
             await self._until_stopped(notifier.connected.wait())
             await self._register(pool)
+            await self._read_limits(pool)
             producer_tasks += [asyncio.create_task(p.run(), name=p.name) for p in producers]
             self.ready.set()
             log.info(
@@ -387,9 +406,13 @@ class Worker:
             after = cursor.start(loop.time())
             if after is not None:
                 params.update(after_priority=after[0], after_run_at=after[1], after_id=after[2])
-            async with pool.connection() as conn:
-                cur = await conn.execute(full if after is None else resumed, params)
-                rows = await cur.fetchall()
+            statement = full if after is None else resumed
+            if queue in self._governed:
+                rows = await self._claim_governed(pool, queue, statement, params)
+            else:
+                async with pool.connection() as conn:
+                    cur = await conn.execute(statement, params)
+                    rows = await cur.fetchall()
             slots.take(len(rows))
             self.stats.claimed += len(rows)
             if rows:
@@ -404,6 +427,41 @@ class Worker:
             return len(rows)
 
         return fetch
+
+    async def _claim_governed(
+        self, pool: AsyncConnectionPool[Any], queue: str, statement: str, params: dict[str, Any]
+    ) -> list[Any]:
+        """Claim from a queue with limits: take turns on its row (QUEUE_GOVERN), then
+        claim no more than its concurrency limit and its rate allow."""
+        schema = self.app.schema
+        async with pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(render(claim.QUEUE_GOVERN, schema), {"queue": queue})
+            settings = await cur.fetchone()
+            limit = int(params["limit"])
+            if settings is not None:
+                concurrency, room, frees_in = settings
+                if concurrency is not None:
+                    cur = await conn.execute(render(claim.QUEUE_RUNNING, schema), {"queue": queue})
+                    running = await cur.fetchone()
+                    assert running is not None
+                    limit = min(limit, concurrency - int(running[0]))
+                if room is not None:
+                    if room < limit and frees_in is not None:
+                        # The rate holds jobs back: claim again when the oldest start in
+                        # the window leaves it.
+                        asyncio.get_running_loop().call_later(
+                            max(float(frees_in), 0.001), self._wake[queue].set
+                        )
+                    limit = min(limit, int(room))
+            if limit <= 0:
+                return []
+            cur = await conn.execute(statement, {**params, "limit": limit})
+            rows: list[Any] = await cur.fetchall()
+            if settings is not None and settings[1] is not None and rows:
+                await conn.execute(
+                    render(claim.QUEUE_RATE_SPEND, schema), {"queue": queue, "spent": len(rows)}
+                )
+        return rows
 
     async def _run_leased(self, job: ClaimedJob, threads: ThreadPoolExecutor, slots: Slots) -> None:
         cancel = self._cancel_flags[job.id] = CancelFlag()
@@ -492,6 +550,80 @@ class Worker:
         verb, _, argument = payload.partition("\t")
         if verb == "cancel" and argument.isdigit():
             self.request_cancel(int(argument))
+        elif verb == "admit":
+            # Only the leader acts on these; the others forget them (a new leader starts
+            # with a full pass). A flood is cheaper as one full pass than key by key.
+            if not self.leadership.is_leader(asyncio.get_running_loop().time()):
+                return
+            if argument and len(self._admit_keys) < ADMIT_KEYS_MAX:
+                self._admit_keys.add(argument)
+            else:
+                self._admit_all = True
+            self._admit_wake.set()
+        elif verb == "limits":
+            self._limits_changed = True
+
+    # -- keys and limits ---------------------------------------------------------------
+
+    async def _admit(self, pool: AsyncConnectionPool[Any]) -> None:
+        """As leader, admit waiting keyed jobs: the keys notifications name at once, and
+        every key with waiting jobs every ``admit_interval`` (and on taking over), which
+        covers notifications lost while the listener reconnected."""
+        schema = self.app.schema
+        lock = render(keys.ADMIT_LOCK, schema)
+        admit = render(keys.ADMIT, schema)
+        any_waiting = render(keys.ANY_WAITING, schema)
+        params = {"lock": f"{schema}.admit", "channel": notify_channel(schema)}
+        loop = asyncio.get_running_loop()
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._admit_wake.wait(), self.admit_interval)
+            self._admit_wake.clear()
+            if not self.leadership.is_leader(loop.time()):
+                self._admit_keys.clear()
+                self._admit_all = True
+                continue
+            # Woken by the timer, or told to: every key. Otherwise the keys named.
+            full = self._admit_all or not self._admit_keys
+            asked = None if full else sorted(self._admit_keys)
+            self._admit_keys = set()
+            self._admit_all = False
+            try:
+                async with pool.connection() as conn:
+                    if asked is None:
+                        cur = await conn.execute(any_waiting)
+                        row = await cur.fetchone()
+                        if row is None or not row[0]:
+                            continue
+                    async with conn.transaction():
+                        await conn.execute(lock, params)
+                        cur = await conn.execute(admit, {**params, "keys": asked})
+                        admitted = sum(int(r[1]) for r in await cur.fetchall())
+                if admitted:
+                    self.stats.admitted += admitted
+                    log.debug("admitted %d keyed jobs", admitted)
+            except psycopg.Error as exc:
+                self._admit_all = True
+                log.warning("admitting keyed jobs failed (%s); will retry", exc)
+                await asyncio.sleep(min(self.rescue_interval, 1.0))
+
+    async def _read_limits(self, pool: AsyncConnectionPool[Any]) -> None:
+        """Which of this worker's queues claim through the limited path."""
+        self._limits_changed = False
+        async with pool.connection() as conn:
+            cur = await conn.execute(
+                render(claim.QUEUE_LIMITS, self.app.schema), {"queues": self.queues}
+            )
+            governed = {str(r[0]) for r in await cur.fetchall()}
+        for queue in governed ^ self._governed:
+            self._wake[queue].set()  # claim at once under the new rules
+        self._governed = governed
+
+    def _flushed(self, batch: int, refused: int) -> None:
+        self.metrics.flushed(batch, refused)
+        # A limited queue may have held jobs back for want of room that just freed up.
+        for queue in self._governed:
+            self._wake[queue].set()
 
     # -- transactional mode ------------------------------------------------------------
 
@@ -629,6 +761,7 @@ class Worker:
         next_expired = loop.time()
         next_election = loop.time()
         next_history = loop.time()
+        next_limits = loop.time() + LIMITS_REFRESH_SECONDS
         elect = render(maintenance.LEADER_ELECT, schema)
         while True:
             try:
@@ -637,13 +770,20 @@ class Worker:
                     next_heartbeat = now + heartbeat_every
                     await self.heartbeat(pool)
                 await self._write_progress(pool)
+                if self._limits_changed or now >= next_limits:
+                    next_limits = now + LIMITS_REFRESH_SECONDS
+                    await self._read_limits(pool)
                 if now >= next_election:
+                    was_leader = self.leadership.is_leader(now)
                     async with pool.connection() as conn:
                         cur = await conn.execute(
                             elect, {"worker_id": self.id, "ttl": self.leader_ttl}
                         )
                         won = await cur.fetchone() is not None
                     self.leadership.record(won=won, asked_at=now)
+                    if won and not was_leader:
+                        self._admit_all = True  # a new leader admits every waiting key
+                        self._admit_wake.set()
                     next_election = now + self.leadership.next_attempt_in(now, self.rescue_interval)
                 if not self.leadership.is_leader(loop.time()):
                     await asyncio.sleep(min(self.rescue_interval, heartbeat_every))

@@ -37,7 +37,11 @@ JOB_RETRY = (
     """
 WITH moved AS (
     UPDATE {jobs}
-    SET state = 'available', retry_at = now(), attempts = 0, worker_id = NULL,
+    -- A dead keyed job joins its key's line again (admission lets it run when there is
+    -- room; being the oldest, it goes first); keyed jobs still admitted keep their place.
+    SET state = CASE WHEN ordering_key IS NOT NULL AND state = 'dead' THEN 'blocked'
+                     ELSE 'available' END,
+        retry_at = now(), attempts = 0, worker_id = NULL,
         run_at = least(run_at, now()),
         lease_expires_at = NULL,
         -- A dead job held no key; if a live job holds it now (or a job retried in this
@@ -61,7 +65,7 @@ JOB_CANCEL_WAITING = """
 WITH gone AS (
     DELETE FROM {jobs}
     WHERE id = ANY(%(ids)s::bigint[])
-      AND state IN ('scheduled', 'available', 'retryable', 'dead')
+      AND state IN ('blocked', 'scheduled', 'available', 'retryable', 'dead')
     RETURNING *
 )
 INSERT INTO {history} (id, queue, task, args, state, priority, attempts, max_attempts, errors,
@@ -120,6 +124,27 @@ QUEUE_LIST_PAUSED = """
 SELECT name FROM {queues} WHERE paused ORDER BY name
 """
 
+# Limits are read by the claims of the queue's workers; the control message makes them
+# re-read at once (they also re-read every few seconds).
+QUEUE_SET_LIMITS = """
+INSERT INTO {queues} (name, concurrency_limit, rate_limit, rate_period)
+VALUES (%(queue)s, %(concurrency)s, %(rate)s, %(period)s)
+ON CONFLICT (name) DO UPDATE
+SET concurrency_limit = EXCLUDED.concurrency_limit,
+    rate_limit = EXCLUDED.rate_limit,
+    rate_period = EXCLUDED.rate_period,
+    rate_window = '{{}}',
+    updated_at = now()
+"""
+
+QUEUE_LIMITS_CHANGED = """
+SELECT pg_notify(%(channel)s, 'limits')
+"""
+
+QUEUE_LIST = """
+SELECT name, paused, concurrency_limit, rate_limit, rate_period FROM {queues} ORDER BY name
+"""
+
 # Monitoring figures per queue. The oldest ready age counts from when the job became due
 # (its retry_at after a failure), including due jobs the promoter has not moved yet.
 # Failures in the last minute are the error records stamped in it, on live jobs attempted
@@ -127,6 +152,7 @@ SELECT name FROM {queues} WHERE paused ORDER BY name
 QUEUE_STATS = """
 WITH live AS (
     SELECT queue,
+           count(*) FILTER (WHERE state = 'blocked') AS blocked,
            count(*) FILTER (WHERE state = 'available') AS available,
            count(*) FILTER (WHERE state = 'scheduled') AS scheduled,
            count(*) FILTER (WHERE state = 'running') AS running,
@@ -157,6 +183,7 @@ WITH live AS (
     GROUP BY q
 )
 SELECT queue,
+       coalesce(l.blocked, 0) AS blocked,
        coalesce(l.available, 0) AS available,
        coalesce(l.scheduled, 0) AS scheduled,
        coalesce(l.running, 0) AS running,

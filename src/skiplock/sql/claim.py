@@ -79,3 +79,36 @@ ORDER BY priority, run_at, id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
 """
+
+# Limited queues (0008) claim in a transaction that takes turns on the queue's row: this
+# statement locks it and refills its token bucket, and the statements after it (their
+# snapshots taken once the lock is held) count the queue's running jobs and claim at most
+# what both limits leave. Queues without limits never run any of this.
+QUEUE_GOVERN = """
+UPDATE {queues} AS q
+SET rate_window = ARRAY(SELECT t FROM unnest(q.rate_window) AS t
+                        WHERE t > c.at - q.rate_period * interval '1 second' ORDER BY t)
+FROM (SELECT clock_timestamp() AS at) AS c
+WHERE q.name = %(queue)s
+RETURNING q.concurrency_limit,
+          q.rate_limit - cardinality(q.rate_window),
+          extract(epoch FROM q.rate_window[1] + q.rate_period * interval '1 second' - c.at)
+"""
+
+QUEUE_RUNNING = """
+SELECT count(*) FROM {jobs} WHERE queue = %(queue)s AND state = 'running'
+"""
+
+QUEUE_RATE_SPEND = """
+UPDATE {queues}
+SET rate_window = rate_window || array_fill(clock_timestamp(), ARRAY[%(spent)s::int])
+WHERE name = %(queue)s
+"""
+
+# Which of a worker's queues have limits; read at start, on a 'limits' control message and
+# now and then.
+QUEUE_LIMITS = """
+SELECT name FROM {queues}
+WHERE name = ANY(%(queues)s::text[])
+  AND (concurrency_limit IS NOT NULL OR rate_limit IS NOT NULL)
+"""

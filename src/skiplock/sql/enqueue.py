@@ -1,11 +1,15 @@
 """Putting jobs into the table, inside the caller's transaction."""
 
 # now() is the caller's transaction start; a delay counts from there. A job due later is
-# 'scheduled', outside the claim index until the promoter makes it available.
+# 'scheduled', outside the claim index until the promoter makes it available. A keyed job
+# waits as 'blocked' until admission (sql/keys.py) makes it one or the other.
 JOB_INSERT = """
-INSERT INTO {jobs} (queue, task, args, priority, run_at, state, max_attempts)
+INSERT INTO {jobs} (queue, task, args, priority, run_at, state, max_attempts, ordering_key,
+                    key_limit)
 SELECT %(queue)s, %(task)s, %(args)s::jsonb, %(priority)s, r,
-       CASE WHEN r > now() THEN 'scheduled' ELSE 'available' END, %(max_attempts)s
+       CASE WHEN %(ordering_key)s::text IS NOT NULL THEN 'blocked'
+            WHEN r > now() THEN 'scheduled' ELSE 'available' END,
+       %(max_attempts)s, %(ordering_key)s, %(key_limit)s
 FROM (SELECT COALESCE(%(run_at)s, now() + %(delay)s * interval '1 second') AS r) AS due
 RETURNING id
 """
@@ -15,10 +19,11 @@ RETURNING id
 # waited on a concurrent holder, this statement's snapshot cannot see it.
 JOB_INSERT_UNIQUE = """
 INSERT INTO {jobs} (queue, task, args, priority, run_at, state, max_attempts, unique_key,
-                    unique_queued_key)
+                    unique_queued_key, ordering_key, key_limit)
 SELECT %(queue)s, %(task)s, %(args)s::jsonb, %(priority)s, r,
-       CASE WHEN r > now() THEN 'scheduled' ELSE 'available' END, %(max_attempts)s,
-       %(unique_key)s, %(unique_queued_key)s
+       CASE WHEN %(ordering_key)s::text IS NOT NULL THEN 'blocked'
+            WHEN r > now() THEN 'scheduled' ELSE 'available' END,
+       %(max_attempts)s, %(unique_key)s, %(unique_queued_key)s, %(ordering_key)s, %(key_limit)s
 FROM (SELECT COALESCE(%(run_at)s, now() + %(delay)s * interval '1 second') AS r) AS due
 ON CONFLICT DO NOTHING
 RETURNING id
@@ -36,13 +41,16 @@ LIMIT 1
 # the batch) insert nothing, and the caller looks their holders up by key.
 JOB_INSERT_MANY_UNIQUE = """
 INSERT INTO {jobs} (queue, task, args, priority, run_at, state, max_attempts, unique_key,
-                    unique_queued_key)
-SELECT q, t, a::jsonb, p, due, CASE WHEN due > now() THEN 'scheduled' ELSE 'available' END, m,
-       k, qk
+                    unique_queued_key, ordering_key, key_limit)
+SELECT q, t, a::jsonb, p, due,
+       CASE WHEN ok IS NOT NULL THEN 'blocked'
+            WHEN due > now() THEN 'scheduled' ELSE 'available' END,
+       m, k, qk, ok, kl
 FROM unnest(%(queues)s::text[], %(tasks)s::text[], %(args)s::text[], %(priorities)s::smallint[],
             %(run_ats)s::timestamptz[], %(delays)s::float8[], %(max_attempts)s::int[],
-            %(unique_keys)s::text[], %(unique_queued_keys)s::text[])
-     AS u(q, t, a, p, r, d, m, k, qk),
+            %(unique_keys)s::text[], %(unique_queued_keys)s::text[],
+            %(ordering_keys)s::text[], %(key_limits)s::smallint[])
+     AS u(q, t, a, p, r, d, m, k, qk, ok, kl),
      LATERAL (SELECT COALESCE(r, now() + d * interval '1 second') AS due) AS l
 ON CONFLICT DO NOTHING
 RETURNING id, unique_key, unique_queued_key
@@ -74,4 +82,10 @@ SELECT now(), array(
 # the whole COPY, so workers get one notification per queue however many rows.
 JOB_COPY_IN = """
 COPY {jobs} (id, queue, task, args, priority, run_at, state, max_attempts) FROM STDIN
+"""
+
+# The same with keys, used only when some job in the batch has one.
+JOB_COPY_IN_KEYED = """
+COPY {jobs} (id, queue, task, args, priority, run_at, state, max_attempts, ordering_key,
+             key_limit) FROM STDIN
 """
