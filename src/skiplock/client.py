@@ -74,20 +74,85 @@ def _reserve_params(schema: str, count: int) -> dict[str, Any]:
     return {"table": f'"{schema}".jobs', "count": count}
 
 
-def _unique_params(spec: JobSpec) -> dict[str, Any]:
+def _unique_params(schema: str, spec: JobSpec) -> dict[str, Any]:
     active = spec.unique_key if spec.unique_scope == "active" else None
     queued = spec.unique_key if spec.unique_scope == "queued" else None
-    return {**_one_params(spec), "unique_key": active, "unique_queued_key": queued}
+    return {
+        **_one_params(spec),
+        "unique_key": active,
+        "unique_queued_key": queued,
+        "id": None,
+        "table": f'"{schema}".jobs',
+    }
+
+
+def _window_params(schema: str, spec: JobSpec) -> dict[str, Any]:
+    return {
+        "table": f'"{schema}".jobs',
+        "unique_key": spec.unique_key,
+        "window": spec.unique_window,
+    }
+
+
+def _insert_windowed(conn: Conn, schema: str, spec: JobSpec) -> tuple[int, bool]:
+    """A unique job with a time window: the window's key first (a plain read, so that a
+    duplicate takes no lock), then the job under its scope's index."""
+    window = _window_params(schema, spec)
+    params = _unique_params(schema, spec)
+    while True:
+        row = conn.execute(render(enqueue.JOB_FIND_WINDOW, schema), window).fetchone()
+        if row is not None:
+            return int(row[0]), False
+        row = conn.execute(render(enqueue.JOB_WINDOW_TAKE, schema), window).fetchone()
+        if row is None:
+            continue  # taken meanwhile: read the holder
+        job_id = int(row[0])
+        if conn.execute(
+            render(enqueue.JOB_INSERT_UNIQUE, schema), {**params, "id": job_id}
+        ).fetchone():
+            return job_id, True
+        # A live job in the scope holds the key: no new job, so the window is not taken.
+        conn.execute(render(enqueue.JOB_WINDOW_GIVE_BACK, schema), {**window, "id": job_id})
+        row = conn.execute(render(enqueue.JOB_FIND_UNIQUE, schema), params).fetchone()
+        if row is not None:
+            return int(row[0]), False
+
+
+async def _insert_windowed_async(conn: AsyncConn, schema: str, spec: JobSpec) -> tuple[int, bool]:
+    window = _window_params(schema, spec)
+    params = _unique_params(schema, spec)
+    while True:
+        cur = await conn.execute(render(enqueue.JOB_FIND_WINDOW, schema), window)
+        row = await cur.fetchone()
+        if row is not None:
+            return int(row[0]), False
+        cur = await conn.execute(render(enqueue.JOB_WINDOW_TAKE, schema), window)
+        row = await cur.fetchone()
+        if row is None:
+            continue
+        job_id = int(row[0])
+        cur = await conn.execute(
+            render(enqueue.JOB_INSERT_UNIQUE, schema), {**params, "id": job_id}
+        )
+        if await cur.fetchone():
+            return job_id, True
+        await conn.execute(render(enqueue.JOB_WINDOW_GIVE_BACK, schema), {**window, "id": job_id})
+        cur = await conn.execute(render(enqueue.JOB_FIND_UNIQUE, schema), params)
+        row = await cur.fetchone()
+        if row is not None:
+            return int(row[0]), False
 
 
 def insert_job(conn: Conn, schema: str, spec: JobSpec) -> tuple[int, bool]:
     """Insert one job; returns (id, inserted). Not inserted: a live job holds its unique
-    key, and the id is that job's."""
+    key (or its window has not passed), and the id is that job's."""
     if spec.unique_key is None:
         row = conn.execute(render(enqueue.JOB_INSERT, schema), _one_params(spec)).fetchone()
         assert row is not None
         return int(row[0]), True
-    params = _unique_params(spec)
+    if spec.unique_window is not None:
+        return _insert_windowed(conn, schema, spec)
+    params = _unique_params(schema, spec)
     while True:
         row = conn.execute(render(enqueue.JOB_INSERT_UNIQUE, schema), params).fetchone()
         if row is not None:
@@ -104,7 +169,9 @@ async def insert_job_async(conn: AsyncConn, schema: str, spec: JobSpec) -> tuple
         row = await cur.fetchone()
         assert row is not None
         return int(row[0]), True
-    params = _unique_params(spec)
+    if spec.unique_window is not None:
+        return await _insert_windowed_async(conn, schema, spec)
+    params = _unique_params(schema, spec)
     while True:
         cur = await conn.execute(render(enqueue.JOB_INSERT_UNIQUE, schema), params)
         row = await cur.fetchone()
@@ -189,6 +256,9 @@ def insert_jobs(conn: Conn, schema: str, specs: Sequence[JobSpec]) -> list[int]:
     jobs goes through INSERT ... ON CONFLICT instead (COPY cannot skip duplicates)."""
     if not specs:
         return []
+    if any(s.unique_window is not None for s in specs):
+        # Windows are taken key by key: one round trip or more per job.
+        return [insert_job(conn, schema, spec)[0] for spec in specs]
     if any(s.unique_key for s in specs):
         return _insert_unique_many(conn, schema, specs)
     row = conn.execute(
@@ -207,6 +277,8 @@ def insert_jobs(conn: Conn, schema: str, specs: Sequence[JobSpec]) -> list[int]:
 async def insert_jobs_async(conn: AsyncConn, schema: str, specs: Sequence[JobSpec]) -> list[int]:
     if not specs:
         return []
+    if any(s.unique_window is not None for s in specs):
+        return [(await insert_job_async(conn, schema, spec))[0] for spec in specs]
     if any(s.unique_key for s in specs):
         cur = await conn.execute(
             render(enqueue.JOB_INSERT_MANY_UNIQUE, schema), _many_unique_params(specs)

@@ -29,6 +29,7 @@ class HistoryReport:
     created: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     pruned_rows: int = 0
+    expired_windows: int = 0
     skipped: list[str] = field(default_factory=list)
 
 
@@ -84,7 +85,8 @@ def maintain(
     retention: timedelta | None,
     now: datetime | None = None,
 ) -> HistoryReport:
-    """Create partitions ahead, drop expired ones, prune the DEFAULT partition.
+    """Create partitions ahead, drop expired ones, prune the DEFAULT partition, and delete
+    unique windows that have passed.
 
     ``conn`` must be in autocommit mode. ``retention`` None keeps history forever.
     """
@@ -127,6 +129,12 @@ def maintain(
             report.pruned_rows += cur.rowcount
             if cur.rowcount < PRUNE_BATCH:
                 break
+    windows = render(history.UNIQUE_WINDOWS_PRUNE_BATCH, schema)
+    while True:
+        cur = conn.execute(windows, {"batch": PRUNE_BATCH})
+        report.expired_windows += cur.rowcount
+        if cur.rowcount < PRUNE_BATCH:
+            break
     return report
 
 

@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -63,6 +63,9 @@ class TaskOptions:
     # True: the key is the task name and its arguments. A string: that key, for every call.
     unique: bool | str = False
     unique_scope: str = "active"
+    # Seconds after an enqueue during which a duplicate is refused whatever became of the
+    # first job (it may have finished long ago). None: the scope alone decides.
+    unique_window: float | timedelta | None = None
 
 
 _OPTION_NAMES = ("name", *TaskOptions.__dataclass_fields__)
@@ -74,6 +77,7 @@ _CALL_OPTION_NAMES = (
     "delay",
     "unique_key",
     "unique_scope",
+    "unique_window",
     "ordering_key",
     "concurrency_key",
     "concurrency_limit",
@@ -127,6 +131,10 @@ def parse_task_options(options: Mapping[str, Any]) -> tuple[str | None, TaskOpti
     if not isinstance(parsed.retry, RetryPolicy):
         raise ConfigurationError(f"retry must be a skiplock.RetryPolicy, got {parsed.retry!r}")
     _check_unique(parsed.unique_scope, parsed.unique)
+    if parsed.unique_window is not None:
+        if parsed.unique is False:
+            raise ConfigurationError("unique_window needs unique=True or a unique key")
+        parsed = replace(parsed, unique_window=_check_window(parsed.unique_window))
     if parsed.timeout is not None and not (
         isinstance(parsed.timeout, (int, float)) and parsed.timeout > 0
     ):
@@ -134,6 +142,21 @@ def parse_task_options(options: Mapping[str, Any]) -> tuple[str | None, TaskOpti
             f"timeout must be a positive number of seconds, got {parsed.timeout!r}"
         )
     return name, parsed
+
+
+def _check_window(value: object) -> float:
+    """A window in seconds, from a number or a timedelta."""
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
+    if (
+        not isinstance(seconds, (int, float))
+        or isinstance(seconds, bool)
+        or not (math.isfinite(seconds) and 0 < seconds <= MAX_DELAY_SECONDS)
+    ):
+        raise ConfigurationError(
+            f"unique_window must be a positive number of seconds or a timedelta of at most "
+            f"100 years, got {value!r}"
+        )
+    return float(seconds)
 
 
 def _check_unique(scope: object, key: object) -> None:
@@ -259,6 +282,7 @@ class JobSpec:
     delay: float = 0.0
     unique_key: str | None = None
     unique_scope: str = "active"
+    unique_window: float | None = None
     # Keyed jobs wait their turn outside the claim (migration 0008): at most key_limit of
     # a key's jobs are admitted at once, oldest first.
     ordering_key: str | None = None
@@ -306,6 +330,10 @@ def _check_keys(options: Mapping[str, Any]) -> None:
             raise ConfigurationError(
                 f"concurrency_limit must be an integer from 1 to {MAX_KEY_LIMIT}, got {limit!r}"
             )
+
+
+def _window_or_none(value: float | timedelta | None) -> float | None:
+    return value.total_seconds() if isinstance(value, timedelta) else value
 
 
 class Task(Generic[R]):
@@ -398,6 +426,7 @@ class TaskCall(Generic[R]):
     delay: float = 0.0
     unique_key: str | None = None
     unique_scope: str | None = None
+    unique_window: float | timedelta | None = None
     ordering_key: str | None = None
     concurrency_key: str | None = None
     concurrency_limit: int = 1
@@ -410,6 +439,8 @@ class TaskCall(Generic[R]):
             if key is not None and not isinstance(key, str):
                 raise ConfigurationError(f"a unique key must be a non-empty string, got {key!r}")
             _check_unique(options.get("unique_scope", "active"), True if key is None else key)
+        if options.get("unique_window") is not None:
+            options = {**options, "unique_window": _check_window(options["unique_window"])}
         if "queue" in options:
             check_name("queue", options["queue"], MAX_QUEUE_NAME)
         if "priority" in options:
@@ -449,11 +480,20 @@ class TaskCall(Generic[R]):
             unique_key = (
                 option if isinstance(option, str) else f"{task.name}:{_KEY_ENCODER.encode(args)}"
             )
+        if unique_key is None and self.unique_window is not None:
+            raise ConfigurationError(
+                f"{task.name}: unique_window needs a unique_key (or a task with unique=...)"
+            )
         return JobSpec(
             task=task.name,
             args_json=args_json,
             unique_key=unique_key,
             unique_scope=self.unique_scope or task.options.unique_scope,
+            unique_window=(
+                None
+                if unique_key is None
+                else _window_or_none(self.unique_window or task.options.unique_window)
+            ),
             queue=self.queue or task.options.queue,
             priority=task.options.priority if self.priority is None else self.priority,
             max_attempts=self.max_attempts or task.options.max_attempts,

@@ -13,6 +13,7 @@ import random
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -20,7 +21,7 @@ import pytest
 
 import skiplock
 from conftest import wait_until
-from skiplock import client
+from skiplock import client, history
 from skiplock.retry import RetryPolicy
 
 from .conftest import Calls, RunCli, Sem, StartWorkers
@@ -515,3 +516,152 @@ def test_under_several_workers_jobs_of_one_key_never_run_at_once(
     assert set(executed) == inserted
     assert set(executed.values()) == {1}
     assert sem.live_count() == 0
+
+
+# -- time windows (0009) ---------------------------------------------------------------
+
+
+def expire_windows(sem: Sem) -> None:
+    """Move every window's end into the past, as if its time had passed."""
+    sem.execute("UPDATE {unique_windows} SET expires_at = now() - interval '1 second'")
+
+
+def test_a_window_refuses_duplicates_after_the_job_finished_until_it_passes(
+    sem: Sem, workers: StartWorkers
+) -> None:
+    @sem.app.task(name="digest", unique=True, unique_window=3600)
+    def digest(user: int) -> int:
+        return user
+
+    first = sem.enqueue(digest, user=1)
+    assert sem.enqueue(digest, user=1) == first
+    workers(1)
+    sem.wait_for_state(first, "completed")
+
+    # Finished, and still within its hour: the scope alone would let this in.
+    again = sem.enqueue(digest, user=1)
+    assert again.duplicate and again == first
+    other = sem.enqueue(digest, user=2)
+    assert not other.duplicate
+
+    expire_windows(sem)
+    fresh = sem.enqueue(digest, user=1)
+    assert not fresh.duplicate and fresh != first
+    assert sem.enqueue(digest, user=1) == fresh
+    sem.wait_for_state(fresh, "completed")
+
+
+def test_a_window_and_the_scope_both_hold(sem: Sem) -> None:
+    @sem.app.task(name="report")
+    def report(n: int) -> None: ...
+
+    hourly = report.with_options(unique_key="report", unique_window=timedelta(hours=1))
+    first = sem.enqueue(hourly, n=1)
+    expire_windows(sem)
+    # The window has passed but the first job still waits: the 'active' scope refuses,
+    # and the window is not taken by a job that was never inserted.
+    blocked = sem.enqueue(hourly, n=2)
+    assert blocked.duplicate and blocked == first
+    assert sem.execute("SELECT job_id FROM {unique_windows}") == []
+    assert sem.live_count() == 1
+
+
+def test_the_async_enqueue_honours_windows(sem: Sem) -> None:
+    @sem.app.task(name="ping", unique=True, unique_window=60.0)
+    def ping(n: int) -> None: ...
+
+    async def enqueue_twice() -> list[skiplock.JobRef]:
+        async with await psycopg.AsyncConnection.connect(sem.url, autocommit=True) as conn:
+            return [await ping.enqueue_async(conn, n=1), await ping.enqueue_async(conn, n=1)]
+
+    first, second = asyncio.run(enqueue_twice())
+    assert not first.duplicate and second.duplicate and second == first
+
+
+def test_enqueue_many_with_windows_maps_duplicates_in_order(sem: Sem) -> None:
+    @sem.app.task(name="notify", unique=True, unique_window=60.0)
+    def notify(user: int) -> None: ...
+
+    held = sem.enqueue(notify, user=1)
+    ids = sem.enqueue_many([notify.job(user=2), notify.job(user=1), notify.job(user=2)])
+    assert ids[1] == held
+    assert ids[0] == ids[2] != held
+    assert sem.live_count() == 2
+
+
+def test_racing_enqueues_of_one_windowed_key_insert_one_job(sem: Sem) -> None:
+    @sem.app.task(name="rebuild_window")
+    def rebuild(caller: int) -> None: ...
+
+    callers = 8
+    start = threading.Barrier(callers)
+    windowed = rebuild.with_options(unique_key="rebuild", unique_window=60)
+
+    def enqueue(caller: int) -> skiplock.JobRef:
+        with sem.connect(autocommit=False) as conn:
+            conn.execute("SELECT 1")
+            start.wait(10)
+            ref = windowed.enqueue(conn, caller=caller)
+            conn.commit()
+        return ref
+
+    with ThreadPoolExecutor(callers) as pool:
+        refs = list(pool.map(enqueue, range(callers)))
+    rows = sem.execute("SELECT id FROM {jobs}")
+    assert len(rows) == 1
+    assert {int(ref) for ref in refs} == {rows[0][0]}
+    assert sum(not ref.duplicate for ref in refs) == 1
+
+
+def test_a_rolled_back_enqueue_leaves_the_window_free(sem: Sem) -> None:
+    @sem.app.task(name="once", unique=True, unique_window=3600)
+    def once(n: int) -> None: ...
+
+    with sem.connect(autocommit=False) as conn:
+        once.enqueue(conn, n=1)
+        conn.rollback()
+    ref = sem.enqueue(once, n=1)
+    assert not ref.duplicate
+    assert sem.live_count() == 1
+
+
+def test_maintenance_deletes_windows_that_have_passed(sem: Sem) -> None:
+    @sem.app.task(name="tick", unique=True, unique_window=3600)
+    def tick(n: int) -> None: ...
+
+    for n in range(3):
+        sem.enqueue(tick, n=n)
+    sem.execute(
+        "UPDATE {unique_windows} SET expires_at = now() - interval '1 second' "
+        "WHERE key LIKE '%%\"n\":0%%' OR key LIKE '%%\"n\":1%%'"
+    )
+    with sem.connect() as conn:
+        report = history.maintain(conn, sem.schema, retention=None)
+    assert report.expired_windows == 2
+    assert len(sem.execute("SELECT key FROM {unique_windows}")) == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"unique_window": 60}, "unique_window needs unique=True or a unique key"),
+        ({"unique": True, "unique_window": 0}, "unique_window must be a positive number"),
+        ({"unique": True, "unique_window": "1h"}, "unique_window must be a positive number"),
+        ({"unique": True, "unique_window": float("inf")}, "unique_window must be a positive"),
+    ],
+)
+def test_bad_windows_fail_at_definition(sem: Sem, options: dict[str, Any], message: str) -> None:
+    with pytest.raises(skiplock.ConfigurationError, match=message):
+
+        @sem.app.task(name="bad_window", **options)
+        def bad(n: int) -> None: ...
+
+
+def test_a_per_call_window_needs_a_key(sem: Sem) -> None:
+    @sem.app.task(name="keyless")
+    def keyless(n: int) -> None: ...
+
+    with pytest.raises(skiplock.ConfigurationError, match="unique_window needs a unique_key"):
+        keyless.with_options(unique_window=60).job(n=1)
+    with pytest.raises(skiplock.ConfigurationError, match="unique_window must be a positive"):
+        keyless.with_options(unique_key="k", unique_window=-1)

@@ -22,6 +22,7 @@ def render(template: str, schema: str) -> str:
         leader=sql.Identifier(schema, "leader"),
         queues=sql.Identifier(schema, "queues"),
         periodic=sql.Identifier(schema, "periodic"),
+        unique_windows=sql.Identifier(schema, "unique_windows"),
         schema=sql.Identifier(schema),
     )
     return composed.as_string(None)

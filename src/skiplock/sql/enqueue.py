@@ -18,15 +18,39 @@ RETURNING id
 # caller then looks the holder up with JOB_FIND_UNIQUE in a new statement: if the insert
 # waited on a concurrent holder, this statement's snapshot cannot see it.
 JOB_INSERT_UNIQUE = """
-INSERT INTO {jobs} (queue, task, args, priority, run_at, state, max_attempts, unique_key,
+INSERT INTO {jobs} (id, queue, task, args, priority, run_at, state, max_attempts, unique_key,
                     unique_queued_key, ordering_key, key_limit)
-SELECT %(queue)s, %(task)s, %(args)s::jsonb, %(priority)s, r,
+SELECT coalesce(%(id)s::bigint,
+                nextval((SELECT pg_get_serial_sequence(%(table)s, 'id'))::regclass)),
+       %(queue)s, %(task)s, %(args)s::jsonb, %(priority)s, r,
        CASE WHEN %(ordering_key)s::text IS NOT NULL THEN 'blocked'
             WHEN r > now() THEN 'scheduled' ELSE 'available' END,
        %(max_attempts)s, %(unique_key)s, %(unique_queued_key)s, %(ordering_key)s, %(key_limit)s
 FROM (SELECT COALESCE(%(run_at)s, now() + %(delay)s * interval '1 second') AS r) AS due
 ON CONFLICT DO NOTHING
 RETURNING id
+"""
+
+# A windowed key (0009): take it for this job's id (reserved from the jobs sequence) if
+# nobody holds it or its window has passed. Nothing returned: held; JOB_FIND_WINDOW names
+# the holder. Taken, and then refused by the scope's index: JOB_WINDOW_GIVE_BACK.
+JOB_WINDOW_TAKE = """
+INSERT INTO {unique_windows} (key, job_id, expires_at)
+VALUES (%(unique_key)s,
+        nextval((SELECT pg_get_serial_sequence(%(table)s, 'id'))::regclass),
+        now() + %(window)s * interval '1 second')
+ON CONFLICT (key) DO UPDATE
+SET job_id = EXCLUDED.job_id, expires_at = EXCLUDED.expires_at
+WHERE {unique_windows}.expires_at <= now()
+RETURNING job_id
+"""
+
+JOB_FIND_WINDOW = """
+SELECT job_id FROM {unique_windows} WHERE key = %(unique_key)s AND expires_at > now()
+"""
+
+JOB_WINDOW_GIVE_BACK = """
+DELETE FROM {unique_windows} WHERE key = %(unique_key)s AND job_id = %(id)s
 """
 
 JOB_FIND_UNIQUE = """

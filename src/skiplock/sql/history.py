@@ -39,3 +39,11 @@ WHERE ctid = ANY(ARRAY(
     WHERE finished_at < %(now)s::timestamptz - %(retention)s * interval '1 second'
     LIMIT %(batch)s))
 """
+
+# Windowed unique keys whose window has passed (0009): free already, deleted in batches so
+# the table holds only windows still running.
+UNIQUE_WINDOWS_PRUNE_BATCH = """
+DELETE FROM {unique_windows}
+WHERE key = ANY(ARRAY(
+    SELECT key FROM {unique_windows} WHERE expires_at <= now() LIMIT %(batch)s))
+"""
