@@ -22,7 +22,7 @@ from skiplock.app import App
 from skiplock.config import DEFAULT_SCHEMA, SCHEMA_ENV
 from skiplock.errors import ConfigurationError, SkiplockError
 from skiplock.migrate import available_migrations, migrate, pending_migrations
-from skiplock.tasks import MAX_QUEUE_NAME, check_name
+from skiplock.tasks import MAX_QUEUE_NAME, check_name, parse_rate
 from skiplock.types import Job
 
 
@@ -318,7 +318,7 @@ def cmd_queues(args: argparse.Namespace) -> int:
             return 0
         check_name("queue", args.queue, MAX_QUEUE_NAME)
         if args.queues_command == "limit":
-            rate = client.parse_rate(args.rate) if args.rate else None
+            rate = parse_rate(args.rate) if args.rate else None
             client.set_queue_limits(
                 conn, app.schema, args.queue, concurrency=args.concurrency, rate=rate
             )

@@ -7,7 +7,6 @@ by the sync and async shells, which only execute.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -18,7 +17,7 @@ from psycopg.rows import dict_row
 from skiplock.config import control_channel, done_channel, notify_channel
 from skiplock.errors import ConfigurationError, JobNotFoundError
 from skiplock.sql import admin, complete, enqueue, render
-from skiplock.tasks import JobSpec
+from skiplock.tasks import JobSpec, parse_rate
 from skiplock.types import Job, JobState
 
 Conn = psycopg.Connection[Any]
@@ -36,6 +35,8 @@ def _one_params(spec: JobSpec) -> dict[str, Any]:
         "max_attempts": spec.max_attempts,
         "ordering_key": spec.ordering_key,
         "key_limit": spec.key_limit,
+        "key_rate": spec.key_rate[0] if spec.key_rate else None,
+        "key_period": spec.key_rate[1] if spec.key_rate else None,
     }
 
 
@@ -56,7 +57,7 @@ def _copy_rows(
             state = "blocked"
         else:
             state = "scheduled" if run_at > now else "available"
-        row = (
+        row: tuple[Any, ...] = (
             job_id,
             spec.queue,
             spec.task,
@@ -66,7 +67,10 @@ def _copy_rows(
             state,
             spec.max_attempts,
         )
-        rows.append((*row, spec.ordering_key, spec.key_limit) if keyed else row)
+        if keyed:
+            rate, period = spec.key_rate or (None, None)
+            row = (*row, spec.ordering_key, spec.key_limit, rate, period)
+        rows.append(row)
     return rows
 
 
@@ -196,6 +200,8 @@ def _many_unique_params(specs: Sequence[JobSpec]) -> dict[str, Any]:
         "unique_queued_keys": [s.unique_key if s.unique_scope == "queued" else None for s in specs],
         "ordering_keys": [s.ordering_key for s in specs],
         "key_limits": [s.key_limit for s in specs],
+        "key_rates": [s.key_rate[0] if s.key_rate else None for s in specs],
+        "key_periods": [s.key_rate[1] if s.key_rate else None for s in specs],
     }
 
 
@@ -447,50 +453,23 @@ def set_queue_paused(conn: Conn, schema: str, queue: str, *, paused: bool) -> No
         )
 
 
-_RATE = re.compile(r"^\s*(\d+)\s*/\s*(\d*\.?\d*)\s*(s|sec|second|m|min|minute|h|hour|d|day)s?\s*$")
-_UNIT_SECONDS = {
-    "s": 1,
-    "sec": 1,
-    "second": 1,
-    "m": 60,
-    "min": 60,
-    "minute": 60,
-    "h": 3600,
-    "hour": 3600,
-    "d": 86400,
-    "day": 86400,
-}
-
-
-def parse_rate(text: str) -> tuple[int, float]:
-    """'100/s', '10/5s', '600/1m', '1000/hour' -> (jobs, period in seconds)."""
-    match = _RATE.match(text)
-    if match is None:
-        raise ConfigurationError(
-            f"rate {text!r}: write jobs/period, e.g. 100/s, 10/5s, 600/minute or 1000/h"
-        )
-    jobs, amount, unit = int(match[1]), match[2], match[3]
-    period = (float(amount) if amount else 1.0) * _UNIT_SECONDS[unit]
-    if jobs < 1 or jobs > 2**31 - 1 or period <= 0:
-        raise ConfigurationError(f"rate {text!r}: needs at least 1 job per a positive period")
-    return jobs, period
-
-
 def set_queue_limits(
     conn: Conn,
     schema: str,
     queue: str,
     *,
     concurrency: int | None = None,
-    rate: tuple[int, float] | None = None,
+    rate: tuple[int, float] | str | None = None,
 ) -> None:
     """Limit a queue across all workers: at most ``concurrency`` jobs running at once and
-    ``rate`` = (jobs, seconds) started per period. None removes a limit. Workers pick the
+    ``rate`` = (jobs, seconds) or "100/s" started per period. None removes a limit. Workers pick the
     change up at once (and within a few seconds if the message is missed)."""
     if concurrency is not None and not (
         isinstance(concurrency, int) and 1 <= concurrency <= 2**31 - 1
     ):
         raise ConfigurationError(f"concurrency must be a positive integer, got {concurrency!r}")
+    if isinstance(rate, str):
+        rate = parse_rate(rate)
     if rate is not None and (rate[0] < 1 or not rate[1] > 0):
         raise ConfigurationError(f"rate must be at least 1 job per positive period, got {rate!r}")
     conn.execute(

@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from skiplock.sql import history, render
+from skiplock.sql import history, keys, render
 
 log = logging.getLogger("skiplock.history")
 
@@ -129,6 +129,7 @@ def maintain(
             report.pruned_rows += cur.rowcount
             if cur.rowcount < PRUNE_BATCH:
                 break
+    conn.execute(render(keys.KEY_RATES_PRUNE, schema))
     windows = render(history.UNIQUE_WINDOWS_PRUNE_BATCH, schema)
     while True:
         cur = conn.execute(windows, {"batch": PRUNE_BATCH})

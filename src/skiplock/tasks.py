@@ -81,6 +81,8 @@ _CALL_OPTION_NAMES = (
     "ordering_key",
     "concurrency_key",
     "concurrency_limit",
+    "rate_key",
+    "rate_limit",
 )
 UNIQUE_SCOPES = ("active", "queued")
 
@@ -287,6 +289,37 @@ class JobSpec:
     # a key's jobs are admitted at once, oldest first.
     ordering_key: str | None = None
     key_limit: int = 1
+    # (jobs, seconds): at most that many of the key's jobs admitted per period.
+    key_rate: tuple[int, float] | None = None
+
+
+_RATE = re.compile(r"^\s*(\d+)\s*/\s*(\d*\.?\d*)\s*(s|sec|second|m|min|minute|h|hour|d|day)s?\s*$")
+_UNIT_SECONDS = {
+    "s": 1,
+    "sec": 1,
+    "second": 1,
+    "m": 60,
+    "min": 60,
+    "minute": 60,
+    "h": 3600,
+    "hour": 3600,
+    "d": 86400,
+    "day": 86400,
+}
+
+
+def parse_rate(text: str) -> tuple[int, float]:
+    """'100/s', '10/5s', '600/1m', '1000/hour' -> (jobs, period in seconds)."""
+    match = _RATE.match(text)
+    if match is None:
+        raise ConfigurationError(
+            f"rate {text!r}: write jobs/period, e.g. 100/s, 10/5s, 600/minute or 1000/h"
+        )
+    jobs, amount, unit = int(match[1]), match[2], match[3]
+    period = (float(amount) if amount else 1.0) * _UNIT_SECONDS[unit]
+    if jobs < 1 or jobs > 2**31 - 1 or period <= 0:
+        raise ConfigurationError(f"rate {text!r}: needs at least 1 job per a positive period")
+    return jobs, period
 
 
 MAX_KEY_LENGTH = 255
@@ -303,25 +336,24 @@ def _check_key(option: str, value: object) -> str:
 
 
 def _check_keys(options: Mapping[str, Any]) -> None:
-    """ordering_key, or concurrency_key with concurrency_limit: one key per job."""
-    if "ordering_key" in options and options["ordering_key"] is not None:
-        _check_key("ordering_key", options["ordering_key"])
-        if options.get("concurrency_key") is not None:
-            raise ConfigurationError(
-                "give ordering_key (one at a time, in order) or concurrency_key with "
-                "concurrency_limit, not both: a job has one key"
-            )
-        if "concurrency_limit" in options:
-            raise ConfigurationError(
-                "concurrency_limit goes with concurrency_key; an ordering_key runs one "
-                "job at a time"
-            )
-    if options.get("concurrency_key") is not None:
-        _check_key("concurrency_key", options["concurrency_key"])
+    """One key per job: ordering_key, concurrency_key (with concurrency_limit) or
+    rate_key; rate_limit goes with any of them."""
+    given = [k for k in ("ordering_key", "concurrency_key", "rate_key") if options.get(k)]
+    for name in ("ordering_key", "concurrency_key", "rate_key"):
+        if name in options and options[name] is not None:
+            _check_key(name, options[name])
+    if len(given) > 1:
+        raise ConfigurationError(
+            f"give one of ordering_key, concurrency_key or rate_key, not {' and '.join(given)}:"
+            " a job has one key (its limits go in concurrency_limit and rate_limit)"
+        )
     if "concurrency_limit" in options:
         limit = options["concurrency_limit"]
         if options.get("concurrency_key") is None:
-            raise ConfigurationError("concurrency_limit needs a concurrency_key to count by")
+            raise ConfigurationError(
+                "concurrency_limit needs a concurrency_key to count by"
+                + (" (an ordering_key runs one job at a time)" if given else "")
+            )
         if (
             not isinstance(limit, int)
             or isinstance(limit, bool)
@@ -330,6 +362,36 @@ def _check_keys(options: Mapping[str, Any]) -> None:
             raise ConfigurationError(
                 f"concurrency_limit must be an integer from 1 to {MAX_KEY_LIMIT}, got {limit!r}"
             )
+    if "rate_limit" in options:
+        if not given:
+            raise ConfigurationError(
+                "rate_limit needs a key to count by: rate_key, concurrency_key or ordering_key"
+            )
+        _check_rate(options["rate_limit"])
+    elif options.get("rate_key") is not None:
+        raise ConfigurationError("rate_key needs a rate_limit, e.g. rate_limit='100/minute'")
+
+
+def _check_rate(value: object) -> tuple[int, float]:
+    """A rate as '100/minute' or (jobs, seconds)."""
+    if isinstance(value, str):
+        return parse_rate(value)
+    if (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and isinstance(value[0], int)
+        and not isinstance(value[0], bool)
+        and 1 <= value[0] <= 2**31 - 1
+        and isinstance(value[1], (int, float))
+        and not isinstance(value[1], bool)
+        and math.isfinite(value[1])
+        and value[1] > 0
+    ):
+        return value[0], float(value[1])
+    raise ConfigurationError(
+        f"rate_limit must be jobs/period such as '100/s' or '600/minute', or (jobs, seconds); "
+        f"got {value!r}"
+    )
 
 
 def _window_or_none(value: float | timedelta | None) -> float | None:
@@ -430,6 +492,8 @@ class TaskCall(Generic[R]):
     ordering_key: str | None = None
     concurrency_key: str | None = None
     concurrency_limit: int = 1
+    rate_key: str | None = None
+    rate_limit: tuple[int, float] | str | None = None
 
     def with_options(self, /, **options: Any) -> TaskCall[R]:
         _reject_unknown(options, _CALL_OPTION_NAMES, "enqueue")
@@ -462,11 +526,14 @@ class TaskCall(Generic[R]):
             )
         if run_at is not None and "delay" in options:
             raise ConfigurationError("give run_at or delay, not both")
-        # A later key replaces an earlier one of the other kind: a job has one key.
-        if options.get("ordering_key") is not None:
-            options = {"concurrency_key": None, "concurrency_limit": 1, **options}
-        elif options.get("concurrency_key") is not None:
-            options = {"ordering_key": None, **options}
+        # A later key replaces an earlier one of another kind: a job has one key.
+        cleared: dict[str, Any] = {"ordering_key": None, "rate_key": None}
+        cleared.update(concurrency_key=None, concurrency_limit=1)
+        for name in ("ordering_key", "concurrency_key", "rate_key"):
+            if options.get(name) is not None:
+                options = {**{k: v for k, v in cleared.items() if k != name}, **options}
+        if options.get("rate_limit") is not None:
+            options = {**options, "rate_limit": _check_rate(options["rate_limit"])}
         return replace(self, **options)
 
     def job(self, /, **args: Any) -> JobSpec:
@@ -499,8 +566,13 @@ class TaskCall(Generic[R]):
             max_attempts=self.max_attempts or task.options.max_attempts,
             run_at=self.run_at,
             delay=float(self.delay),
-            ordering_key=self.ordering_key or self.concurrency_key,
-            key_limit=self.concurrency_limit if self.concurrency_key else 1,
+            ordering_key=self.ordering_key or self.concurrency_key or self.rate_key,
+            key_limit=(
+                self.concurrency_limit
+                if self.concurrency_key
+                else (MAX_KEY_LIMIT if self.rate_key else 1)
+            ),
+            key_rate=_check_rate(self.rate_limit) if self.rate_limit is not None else None,
         )
 
     def enqueue(self, conn: psycopg.Connection[Any], /, **args: Any) -> JobRef:

@@ -566,39 +566,58 @@ class Worker:
     # -- keys and limits ---------------------------------------------------------------
 
     async def _admit(self, pool: AsyncConnectionPool[Any]) -> None:
-        """As leader, admit waiting keyed jobs: the keys notifications name at once, and
-        every key with waiting jobs every ``admit_interval`` (and on taking over), which
-        covers notifications lost while the listener reconnected."""
+        """As leader, admit waiting keyed jobs: the keys notifications name at once,
+        rate-limited keys when their window makes room, and every key with waiting jobs
+        every ``admit_interval`` (and on taking over), which covers notifications lost
+        while the listener reconnected."""
         schema = self.app.schema
         lock = render(keys.ADMIT_LOCK, schema)
         admit = render(keys.ADMIT, schema)
         any_waiting = render(keys.ANY_WAITING, schema)
+        rate_next = render(keys.KEY_RATE_NEXT, schema)
         params = {"lock": f"{schema}.admit", "channel": notify_channel(schema)}
         loop = asyncio.get_running_loop()
+        next_full = loop.time()
+        rate_due: dict[str, float] = {}  # rate-limited key -> when its window makes room
         while True:
+            wake_at = min([next_full, *rate_due.values()])
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._admit_wake.wait(), self.admit_interval)
+                await asyncio.wait_for(self._admit_wake.wait(), max(wake_at - loop.time(), 0))
             self._admit_wake.clear()
-            if not self.leadership.is_leader(loop.time()):
+            now = loop.time()
+            if not self.leadership.is_leader(now):
                 self._admit_keys.clear()
                 self._admit_all = True
+                rate_due.clear()
+                next_full = now + self.admit_interval
                 continue
-            # Woken by the timer, or told to: every key. Otherwise the keys named.
-            full = self._admit_all or not self._admit_keys
-            asked = None if full else sorted(self._admit_keys)
+            asked: list[str] | None = sorted(
+                self._admit_keys | {key for key, at in rate_due.items() if at <= now}
+            )
             self._admit_keys = set()
-            self._admit_all = False
+            if self._admit_all or now >= next_full:
+                asked = None
+                self._admit_all = False
+                next_full = now + self.admit_interval
+            elif not asked:
+                continue
             try:
                 async with pool.connection() as conn:
                     if asked is None:
                         cur = await conn.execute(any_waiting)
                         row = await cur.fetchone()
                         if row is None or not row[0]:
+                            rate_due.clear()
                             continue
                     async with conn.transaction():
                         await conn.execute(lock, params)
                         cur = await conn.execute(admit, {**params, "keys": asked})
                         admitted = sum(int(r[1]) for r in await cur.fetchall())
+                    cur = await conn.execute(rate_next)
+                    rate_due = {
+                        str(key): loop.time() + max(float(seconds), 0.001)
+                        for key, seconds in await cur.fetchall()
+                    }
                 if admitted:
                     self.stats.admitted += admitted
                     log.debug("admitted %d keyed jobs", admitted)

@@ -23,6 +23,7 @@ def render(template: str, schema: str) -> str:
         queues=sql.Identifier(schema, "queues"),
         periodic=sql.Identifier(schema, "periodic"),
         unique_windows=sql.Identifier(schema, "unique_windows"),
+        key_rates=sql.Identifier(schema, "key_rates"),
         schema=sql.Identifier(schema),
     )
     return composed.as_string(None)

@@ -5,11 +5,11 @@
 # waits as 'blocked' until admission (sql/keys.py) makes it one or the other.
 JOB_INSERT = """
 INSERT INTO {jobs} (queue, task, args, priority, run_at, state, max_attempts, ordering_key,
-                    key_limit)
+                    key_limit, key_rate, key_period)
 SELECT %(queue)s, %(task)s, %(args)s::jsonb, %(priority)s, r,
        CASE WHEN %(ordering_key)s::text IS NOT NULL THEN 'blocked'
             WHEN r > now() THEN 'scheduled' ELSE 'available' END,
-       %(max_attempts)s, %(ordering_key)s, %(key_limit)s
+       %(max_attempts)s, %(ordering_key)s, %(key_limit)s, %(key_rate)s, %(key_period)s
 FROM (SELECT COALESCE(%(run_at)s, now() + %(delay)s * interval '1 second') AS r) AS due
 RETURNING id
 """
@@ -19,13 +19,14 @@ RETURNING id
 # waited on a concurrent holder, this statement's snapshot cannot see it.
 JOB_INSERT_UNIQUE = """
 INSERT INTO {jobs} (id, queue, task, args, priority, run_at, state, max_attempts, unique_key,
-                    unique_queued_key, ordering_key, key_limit)
+                    unique_queued_key, ordering_key, key_limit, key_rate, key_period)
 SELECT coalesce(%(id)s::bigint,
                 nextval((SELECT pg_get_serial_sequence(%(table)s, 'id'))::regclass)),
        %(queue)s, %(task)s, %(args)s::jsonb, %(priority)s, r,
        CASE WHEN %(ordering_key)s::text IS NOT NULL THEN 'blocked'
             WHEN r > now() THEN 'scheduled' ELSE 'available' END,
-       %(max_attempts)s, %(unique_key)s, %(unique_queued_key)s, %(ordering_key)s, %(key_limit)s
+       %(max_attempts)s, %(unique_key)s, %(unique_queued_key)s, %(ordering_key)s, %(key_limit)s,
+       %(key_rate)s, %(key_period)s
 FROM (SELECT COALESCE(%(run_at)s, now() + %(delay)s * interval '1 second') AS r) AS due
 ON CONFLICT DO NOTHING
 RETURNING id
@@ -65,16 +66,17 @@ LIMIT 1
 # the batch) insert nothing, and the caller looks their holders up by key.
 JOB_INSERT_MANY_UNIQUE = """
 INSERT INTO {jobs} (queue, task, args, priority, run_at, state, max_attempts, unique_key,
-                    unique_queued_key, ordering_key, key_limit)
+                    unique_queued_key, ordering_key, key_limit, key_rate, key_period)
 SELECT q, t, a::jsonb, p, due,
        CASE WHEN ok IS NOT NULL THEN 'blocked'
             WHEN due > now() THEN 'scheduled' ELSE 'available' END,
-       m, k, qk, ok, kl
+       m, k, qk, ok, kl, kr, kp
 FROM unnest(%(queues)s::text[], %(tasks)s::text[], %(args)s::text[], %(priorities)s::smallint[],
             %(run_ats)s::timestamptz[], %(delays)s::float8[], %(max_attempts)s::int[],
             %(unique_keys)s::text[], %(unique_queued_keys)s::text[],
-            %(ordering_keys)s::text[], %(key_limits)s::smallint[])
-     AS u(q, t, a, p, r, d, m, k, qk, ok, kl),
+            %(ordering_keys)s::text[], %(key_limits)s::smallint[], %(key_rates)s::int[],
+            %(key_periods)s::float8[])
+     AS u(q, t, a, p, r, d, m, k, qk, ok, kl, kr, kp),
      LATERAL (SELECT COALESCE(r, now() + d * interval '1 second') AS due) AS l
 ON CONFLICT DO NOTHING
 RETURNING id, unique_key, unique_queued_key
@@ -111,5 +113,5 @@ COPY {jobs} (id, queue, task, args, priority, run_at, state, max_attempts) FROM 
 # The same with keys, used only when some job in the batch has one.
 JOB_COPY_IN_KEYED = """
 COPY {jobs} (id, queue, task, args, priority, run_at, state, max_attempts, ordering_key,
-             key_limit) FROM STDIN
+             key_limit, key_rate, key_period) FROM STDIN
 """

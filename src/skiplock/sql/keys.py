@@ -12,9 +12,12 @@ ADMIT_LOCK = """
 SELECT pg_advisory_xact_lock(hashtextextended(%(lock)s, 0))
 """
 
-# For each key asked about (every key with waiting jobs when %(keys)s is NULL): room is
-# the limit of its oldest waiting job minus its admitted jobs; that many of its oldest
-# waiting jobs become scheduled or available. A job retried by hand may carry a retry_at
+# For each key asked about (every key with waiting jobs when %(keys)s is NULL), the
+# oldest waiting job's limits apply: room is its concurrency limit minus the key's
+# admitted jobs and, with a rate, the rate minus the admissions logged within the period.
+# That many of the key's oldest waiting jobs become scheduled or available, and their
+# admission times are logged for rate-limited keys. statement_timestamp(): this
+# statement starts after the lock is held. A job retried by hand may carry a retry_at
 # from before; it runs at once when admitted.
 ADMIT = (
     """
@@ -23,15 +26,25 @@ WITH asked AS (
     FROM {jobs}
     WHERE state = 'blocked'
       AND (%(keys)s::text[] IS NULL OR ordering_key = ANY(%(keys)s::text[]))
+), head AS (
+    SELECT asked.key, oldest.key_limit, oldest.key_rate, oldest.key_period
+    FROM asked,
+         LATERAL (SELECT key_limit, key_rate, key_period FROM {jobs}
+                  WHERE ordering_key = asked.key AND state = 'blocked'
+                  ORDER BY id LIMIT 1) AS oldest
 ), room AS (
-    SELECT asked.key,
-           (SELECT key_limit FROM {jobs}
-            WHERE ordering_key = asked.key AND state = 'blocked'
-            ORDER BY id LIMIT 1)
-           - (SELECT count(*) FROM {jobs}
-              WHERE ordering_key = asked.key
-                AND state IN ('scheduled', 'available', 'running', 'retryable')) AS free
-    FROM asked
+    SELECT head.key, head.key_rate, head.key_period,
+           least(
+               head.key_limit
+               - (SELECT count(*) FROM {jobs}
+                  WHERE ordering_key = head.key
+                    AND state IN ('scheduled', 'available', 'running', 'retryable')),
+               head.key_rate
+               - (SELECT count(*) FROM {key_rates} AS r, unnest(r.admissions) AS t
+                  WHERE r.key = head.key
+                    AND t > statement_timestamp() - head.key_period * interval '1 second')
+           ) AS free
+    FROM head
 ), picked AS (
     SELECT next.id
     FROM room,
@@ -46,10 +59,42 @@ WITH asked AS (
         retry_at = NULL
     FROM picked
     WHERE j.id = picked.id AND j.state = 'blocked'
-    RETURNING j.queue, j.priority, j.run_at
+    RETURNING j.queue, j.priority, j.run_at, j.ordering_key
+), logged AS (
+    INSERT INTO {key_rates} AS r (key, period, admissions)
+    SELECT room.key, room.key_period, array_fill(statement_timestamp(), ARRAY[count(*)::int])
+    FROM moved JOIN room ON room.key = moved.ordering_key
+    WHERE room.key_rate IS NOT NULL
+    GROUP BY room.key, room.key_period
+    ON CONFLICT (key) DO UPDATE
+    SET period = EXCLUDED.period,
+        admissions = ARRAY(
+            SELECT t FROM unnest(r.admissions) AS t
+            WHERE t > statement_timestamp() - EXCLUDED.period * interval '1 second'
+            ORDER BY t) || EXCLUDED.admissions
 )"""
     + NOTIFY_MOVED
 )
+
+# Rate-limited keys that still have waiting jobs, and in how many seconds the oldest
+# admission in each one's window leaves it (room for one more). The leader comes back
+# for them then.
+KEY_RATE_NEXT = """
+SELECT r.key,
+       extract(epoch FROM min(t) + r.period * interval '1 second' - statement_timestamp())
+FROM {key_rates} AS r, unnest(r.admissions) AS t
+WHERE t > statement_timestamp() - r.period * interval '1 second'
+  AND EXISTS (SELECT 1 FROM {jobs} WHERE ordering_key = r.key AND state = 'blocked')
+GROUP BY r.key, r.period
+"""
+
+# Logs of keys whose window has emptied and that have nothing waiting.
+KEY_RATES_PRUNE = """
+DELETE FROM {key_rates} AS r
+WHERE NOT EXISTS (SELECT 1 FROM unnest(r.admissions) AS t
+                  WHERE t > now() - r.period * interval '1 second')
+  AND NOT EXISTS (SELECT 1 FROM {jobs} WHERE ordering_key = r.key AND state = 'blocked')
+"""
 
 # Is anything waiting at all? The periodic full pass is skipped when not.
 ANY_WAITING = """
