@@ -112,6 +112,32 @@ def copy_jobs(
     )
 
 
+# The job features a drain can be run with: each job's unique key, ordering key and key
+# limit as SQL over the series number i (setup, not measured).
+FEATURES = {
+    "unique": ("'u' || i", "NULL", "1"),
+    # Chains of ten: 10,000 keys for 100,000 jobs, each key's jobs one at a time in order.
+    "ordered": ("NULL", "'o' || (i %% greatest(%(jobs)s / 10, 1))", "1"),
+    # 1,000 customers, at most 3 jobs of each running at once.
+    "keylimit": ("NULL", "'c' || (i %% 1000)", "3"),
+}
+
+
+def feature_jobs(conn: psycopg.Connection[Any], schema: str, feature: str, count: int) -> None:
+    """Insert ``count`` no-op jobs using ``feature`` in one statement. Keyed jobs go in
+    as 'blocked', exactly as enqueue writes them; the leader admits them."""
+    unique, ordering, limit = FEATURES[feature]
+    state = "available" if ordering == "NULL" else "blocked"
+    conn.execute(
+        sql.SQL(
+            "INSERT INTO {} (task, args, state, unique_key, ordering_key, key_limit) "
+            f"SELECT 'bench.noop', '{{{{}}}}'::jsonb, %(state)s, {unique}, {ordering}, {limit} "
+            "FROM generate_series(1, %(jobs)s) AS i"
+        ).format(sql.Identifier(schema, "jobs")),
+        {"state": state, "jobs": count},
+    )
+
+
 @contextmanager
 def worker_processes(
     url: str, schema: str, processes: int, concurrency: int
@@ -164,7 +190,8 @@ def worker_processes(
 def _wait_drained(conn: psycopg.Connection[Any], schema: str, timeout: float) -> None:
     # Drained: nothing left to run now (the `scheduled` scenario's far-future jobs stay).
     query = sql.SQL(
-        "SELECT EXISTS (SELECT 1 FROM {} WHERE state IN ('available', 'running', 'retryable'))"
+        "SELECT EXISTS (SELECT 1 FROM {} "
+        "WHERE state IN ('blocked', 'available', 'running', 'retryable'))"
     ).format(sql.Identifier(schema, "jobs"))
     deadline = time.monotonic() + timeout
     while True:
@@ -194,15 +221,20 @@ def drain_once(
     processes: int,
     concurrency: int,
     setup: Callable[[psycopg.Connection[Any]], None] | None = None,
+    feature: str | None = None,
 ) -> float:
-    """Jobs per second for ``jobs`` no-op jobs committed at once, workers already idle."""
+    """Jobs per second for ``jobs`` no-op jobs committed at once, workers already idle;
+    with ``feature``, every job uses it (FEATURES)."""
     with fresh_schema(url, schema), psycopg.connect(url, autocommit=True) as conn:
         if setup is not None:
             setup(conn)
             conn.execute(sql.SQL("VACUUM ANALYZE {}").format(sql.Identifier(schema, "jobs")))
         with worker_processes(url, schema, processes, concurrency):
             with conn.transaction():
-                copy_jobs(conn, schema, "bench.noop", jobs)
+                if feature is None:
+                    copy_jobs(conn, schema, "bench.noop", jobs)
+                else:
+                    feature_jobs(conn, schema, feature, jobs)
             started = conn.execute("SELECT now()").fetchone()
             assert started is not None
             # now() above is after the commit: a slight underestimate of the drain time is
@@ -400,6 +432,14 @@ def run(
             fig = Figure("drain", "jobs/s")
             fig.runs = [drain_once(url, schema, jobs, processes, concurrency) for _ in range(runs)]
             drain_median = fig.median
+        elif scenario in FEATURES:
+            fig = Figure(f"drain, {scenario} jobs", "jobs/s")
+            fig.runs = [
+                drain_once(url, schema, jobs, processes, concurrency, feature=scenario)
+                for _ in range(runs)
+            ]
+            if drain_median is not None:
+                fig.extra["vs_drain"] = round(fig.median / drain_median, 2)
         elif scenario == "ceiling":
             fig = Figure("ceiling (SQL only)", "jobs/s")
             fig.runs = [ceiling_once(url, schema, jobs, min(concurrency, 500)) for _ in range(runs)]

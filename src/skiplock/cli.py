@@ -481,6 +481,9 @@ SCENARIOS = (
     "history",
     "scheduled",
     "pressure",
+    "unique",
+    "ordered",
+    "keylimit",
 )
 
 

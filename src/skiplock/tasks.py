@@ -547,6 +547,14 @@ class TaskCall(Generic[R]):
             unique_key = (
                 option if isinstance(option, str) else f"{task.name}:{_KEY_ENCODER.encode(args)}"
             )
+        key_rate = _check_rate(self.rate_limit) if self.rate_limit is not None else None
+        key_limit = 1
+        if self.concurrency_key:
+            key_limit = self.concurrency_limit
+        elif self.rate_key and key_rate is not None:
+            # A rate key alone also runs at most its rate's count at once: admitted jobs
+            # that wait for a worker then start together at most that many at a time.
+            key_limit = min(key_rate[0], MAX_KEY_LIMIT)
         if unique_key is None and self.unique_window is not None:
             raise ConfigurationError(
                 f"{task.name}: unique_window needs a unique_key (or a task with unique=...)"
@@ -567,12 +575,8 @@ class TaskCall(Generic[R]):
             run_at=self.run_at,
             delay=float(self.delay),
             ordering_key=self.ordering_key or self.concurrency_key or self.rate_key,
-            key_limit=(
-                self.concurrency_limit
-                if self.concurrency_key
-                else (MAX_KEY_LIMIT if self.rate_key else 1)
-            ),
-            key_rate=_check_rate(self.rate_limit) if self.rate_limit is not None else None,
+            key_limit=key_limit,
+            key_rate=key_rate,
         )
 
     def enqueue(self, conn: psycopg.Connection[Any], /, **args: Any) -> JobRef:
