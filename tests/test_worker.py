@@ -778,3 +778,48 @@ def test_a_job_still_running_at_the_shutdown_timeout_is_given_back(
     assert row is not None
     assert (row["state"], row["attempts"], row["worker_id"]) == ("available", 0, None)
     assert [e["type"] for e in row["errors"]] == ["WorkerShutdown"]
+
+
+# -- the claim cursor's probe ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("probe", [True, False])
+def test_a_job_behind_the_cursor_that_nobody_announced_is_found_by_the_probe(
+    app: skiplock.App,
+    start_worker: StartWorker,
+    autocommit: psycopg.Connection[Any],
+    probe: bool,
+) -> None:
+    """A ready job can appear behind the claim cursor with no notification (here: made
+    available by a plain UPDATE, which fires no trigger). Claims resume after the cursor
+    and never see it; the background probe finds it and rewinds. With the probe slowed
+    to once a minute, the same job stays put: the probe, not a poll, found it."""
+    executions = Executions()
+
+    @app.task(name="mark")
+    def mark(n: int) -> None:
+        executions.record()
+
+    start_worker(app, poll_interval=0.05, sweep_interval=0.2 if probe else 60.0)
+    first = enqueue(app.database_url, mark, n=1)
+    wait_for_state(autocommit, first, "completed")
+    # Scheduled far ahead (its notification's position is in the future: no rewind), then
+    # moved behind the cursor by hand, silently.
+    with psycopg.connect(app.database_url) as conn:
+        hidden = mark.with_options(delay=3600).enqueue(conn, n=2)
+    autocommit.execute(
+        "UPDATE skiplock.jobs SET state = 'available', run_at = now() - interval '1 hour' "
+        "WHERE id = %s",
+        (hidden,),
+    )
+    # Later jobs keep the cursor moving past it.
+    later = enqueue(app.database_url, mark, n=3)
+    wait_for_state(autocommit, later, "completed")
+
+    if probe:
+        wait_for_state(autocommit, hidden, "completed", timeout=10.0)
+    else:
+        # Polls come every 50 ms; a second of them must not find it.
+        wait_until(lambda: executions.total() >= 2, 5.0, "the later job")
+        threading.Event().wait(1.0)
+        assert state_of(autocommit, hidden) == "available"

@@ -4,9 +4,12 @@ Claims read the jobs_claim index in (priority, run_at, id) order. Each claim mov
 cursor to the last job it took; the next claim starts after it. Jobs can still become
 available behind the cursor (a higher priority, a transaction that committed late, a
 rescue or promotion of an older job): their notification carries the queue's lowest
-(priority, run_at) and rewinds the cursor. A full claim from the start every
-``sweep_interval`` seconds, and after the listener reconnects, catches whatever no
-notification announced.
+(priority, run_at) and rewinds the cursor. Whatever no notification announced is found
+off the claim path: every ``probe_interval`` seconds the worker looks for the first ready
+job behind the cursor (JOB_BEHIND_CURSOR) and rewinds to it. A claim never walks from the
+start of the queue except after the listener reconnects (``force_sweep``): while VACUUM
+is held back, that walk reads every entry consumed since, and a claim that did it on a
+timer made the batch that drew the short straw wait.
 """
 
 from __future__ import annotations
@@ -45,16 +48,15 @@ def parse_payload(payload: str) -> Wakeup:
 class ClaimCursor:
     """The resume position of one queue's claims in one worker process."""
 
-    def __init__(self, sweep_interval: float) -> None:
-        self.sweep_interval = sweep_interval
+    def __init__(self) -> None:
         self.position: Position | None = None
-        self._last_sweep = -math.inf
+        self._sweep = True
         self.sweeps = 0
 
-    def start(self, now: float) -> Position | None:
+    def start(self) -> Position | None:
         """The position to claim after, or None for a full claim from the start."""
-        if self.position is None or now - self._last_sweep >= self.sweep_interval:
-            self._last_sweep = now
+        if self.position is None or self._sweep:
+            self._sweep = False
             self.sweeps += 1
             return None
         return self.position
@@ -78,5 +80,12 @@ class ClaimCursor:
         target: Position = (wakeup.priority, wakeup.run_at - timedelta(microseconds=1), 0)
         self.position = min(self.position, target)
 
+    def rewind_to(self, found: Position) -> None:
+        """Step back to just before a ready job that the probe found behind the cursor."""
+        if self.position is None:
+            return
+        priority, run_at, job_id = found
+        self.position = min(self.position, (priority, run_at, job_id - 1))
+
     def force_sweep(self) -> None:
-        self._last_sweep = -math.inf
+        self._sweep = True

@@ -203,7 +203,7 @@ class Worker:
         setup = None
         if self.liveness_lock:
             setup = (render(maintenance.WORKER_LOCK, self.app.schema), {"id": self.id})
-        cursors = {queue: ClaimCursor(self.sweep_interval) for queue in self.queues}
+        cursors = {queue: ClaimCursor() for queue in self.queues}
 
         def on_wakeup(wakeup: Wakeup) -> None:
             if wakeup.queue in cursors:
@@ -268,6 +268,9 @@ class Worker:
             asyncio.create_task(self._maintain(pool), name="skiplock-maintenance"),
             asyncio.create_task(self._promote(pool, promote_wake), name="skiplock-promoter"),
             asyncio.create_task(self._admit(pool), name="skiplock-admission"),
+            asyncio.create_task(
+                self._probe(pool, cursors, leased_excluded), name="skiplock-cursor-probe"
+            ),
         ]
         producer_tasks: list[asyncio.Task[None]] = []
         try:
@@ -393,7 +396,6 @@ class Worker:
     ) -> Any:
         full = render(claim.JOB_CLAIM_BATCH, self.app.schema)
         resumed = render(claim.JOB_CLAIM_BATCH_AFTER, self.app.schema)
-        loop = asyncio.get_running_loop()
 
         async def fetch(limit: int) -> int:
             params: dict[str, Any] = {
@@ -403,7 +405,7 @@ class Worker:
                 "worker_id": self.id,
                 "lease_seconds": self.lease_seconds,
             }
-            after = cursor.start(loop.time())
+            after = cursor.start()
             if after is not None:
                 params.update(after_priority=after[0], after_run_at=after[1], after_id=after[2])
             statement = full if after is None else resumed
@@ -625,6 +627,38 @@ class Worker:
                 self._admit_all = True
                 log.warning("admitting keyed jobs failed (%s); will retry", exc)
                 await asyncio.sleep(min(self.rescue_interval, 1.0))
+
+    async def _probe(
+        self, pool: AsyncConnectionPool[Any], cursors: dict[str, ClaimCursor], excluded: list[str]
+    ) -> None:
+        """Every ``sweep_interval``, look behind each queue's claim cursor for a ready job
+        no notification announced, and rewind to it (off the claim path: see cursor.py)."""
+        behind = render(claim.JOB_BEHIND_CURSOR, self.app.schema)
+        while True:
+            await asyncio.sleep(self.sweep_interval)
+            for queue, cursor in cursors.items():
+                position = cursor.position
+                if position is None:
+                    continue
+                try:
+                    async with pool.connection() as conn:
+                        cur = await conn.execute(
+                            behind,
+                            {
+                                "queue": queue,
+                                "exclude_tasks": excluded,
+                                "after_priority": position[0],
+                                "after_run_at": position[1],
+                                "after_id": position[2],
+                            },
+                        )
+                        found = await cur.fetchone()
+                except psycopg.Error as exc:
+                    log.warning("cursor probe failed (%s); will retry", exc)
+                    continue
+                if found is not None:
+                    cursor.rewind_to((found[0], found[1], found[2]))
+                    self._wake[queue].set()
 
     async def _read_limits(self, pool: AsyncConnectionPool[Any]) -> None:
         """Which of this worker's queues claim through the limited path."""

@@ -51,7 +51,7 @@ RETURNING j.id, j.queue, j.task, j.args::text, j.priority,
 # consumed. While a long transaction anywhere holds back VACUUM, those entries cannot be
 # removed, and a scan from the start re-reads all of them on every call; this one reads
 # each about once. Jobs that appear behind the cursor rewind it through their
-# notification, and a periodic full claim (JOB_CLAIM_BATCH) catches anything else.
+# notification, and a probe off the claim path (JOB_BEHIND_CURSOR) finds anything else.
 JOB_CLAIM_BATCH_AFTER = JOB_CLAIM_BATCH.replace(
     "AND run_at <= now()\n",
     "AND run_at <= now()\n"
@@ -61,6 +61,24 @@ JOB_CLAIM_BATCH_AFTER = JOB_CLAIM_BATCH.replace(
 )
 if JOB_CLAIM_BATCH_AFTER == JOB_CLAIM_BATCH:  # pragma: no cover - guards the edit above
     raise RuntimeError("JOB_CLAIM_BATCH changed shape; update JOB_CLAIM_BATCH_AFTER")
+
+# The probe for a lease-mode cursor, run off the claim path every few seconds: the first
+# ready job behind the cursor, if any (one that no notification announced, or that a claim
+# skipped while another transaction held its row). The index condition bounds the scan at
+# the cursor; under a held-back VACUUM it walks the consumed entries before it, but no
+# claim waits for that.
+JOB_BEHIND_CURSOR = """
+SELECT priority, run_at, id
+FROM {jobs}
+WHERE queue = %(queue)s
+  AND state = 'available'
+  AND run_at <= now()
+  AND task <> ALL(%(exclude_tasks)s::text[])
+  AND (priority, run_at, id)
+      < (%(after_priority)s::smallint, %(after_run_at)s::timestamptz, %(after_id)s::bigint)
+ORDER BY priority, run_at, id
+LIMIT 1
+"""
 
 # Transactional mode: lock ready rows and leave them as they are. The row lock is the
 # claim; it lasts exactly as long as the caller's transaction, so a crash rolls everything
