@@ -166,13 +166,17 @@ def spawn_worker(
     env = {**os.environ, "SKIPLOCK_DATABASE_URL": database_url}
 
     def spawn(
-        *, lease: float = 30.0, concurrency: int = 4, shutdown_timeout: float = 30.0
+        *,
+        lease: float = 30.0,
+        concurrency: int = 4,
+        shutdown_timeout: float = 30.0,
+        prefetch: int = 0,
     ) -> WorkerProcess:
         command = [
             *(sys.executable, "-m", "skiplock", "--database-url", database_url),
             *("worker", WORKER_APP, "--queues", QUEUE, "--concurrency", str(concurrency)),
             *("--lease", str(lease), "--shutdown-timeout", str(shutdown_timeout)),
-            *("--poll-interval", "0.1"),
+            *("--poll-interval", "0.1", "--prefetch", str(prefetch)),
         ]
         log_path = tmp_path / f"worker-{len(started)}.log"
         with log_path.open("wb") as log:
@@ -718,3 +722,73 @@ def test_shutdown_cut_short_gives_the_attempt_back_and_exits(
     assert [(e["type"], e["attempt"]) for e in row["errors"]] == [("WorkerShutdown", 1)]
     assert registered_pids(db) == []
     assert a.proc.wait(timeout=EXIT_TIMEOUT) == 0, a.log()[-4000:]
+
+
+# -- prefetch: jobs claimed ahead are never stranded -------------------------------------
+
+
+def leased_by(conn: psycopg.Connection[Any], job_ids: Sequence[int]) -> list[str | None]:
+    rows = conn.execute(
+        "SELECT id, worker_id FROM skiplock.jobs WHERE id = ANY(%s) ORDER BY id", (list(job_ids),)
+    ).fetchall()
+    return [None if r[1] is None else str(r[1]) for r in rows]
+
+
+def test_prefetched_jobs_of_a_killed_worker_are_rescued_at_once(
+    app: skiplock.App, db: psycopg.Connection[Any], spawn_worker: SpawnWorker
+) -> None:
+    """One slot and two jobs claimed ahead: the prefetched jobs are leased by the worker,
+    so when it dies they go back with its running job, at once, and never ran there."""
+    jobs = enqueue(app, db, LEASED, count=3, hold=True)
+    for job in jobs:
+        release(db, job, 2)
+    a = spawn_worker(lease=60, concurrency=1, prefetch=2)
+    wait_until(
+        lambda: (
+            leased_by(db, jobs) == [str(a.id)] * 3
+            and sum(bool(executions(db, job)) for job in jobs) == 1
+        ),
+        STEP_TIMEOUT,
+        what="one job to run and two to wait prefetched",
+        alive=[a],
+    )
+    started = [job for job in jobs if executions(db, job)]
+
+    a.kill()
+    b = spawn_worker(lease=60, concurrency=4)
+    wait_until(lambda: all_finished(db, jobs), STEP_TIMEOUT, what="every job to run", alive=[b])
+
+    for job in jobs:
+        assert history_errors(db, job) == [("WorkerLost", 1)]
+        expected = [(1, a.pid, False), (2, b.pid, True)] if job in started else [(2, b.pid, True)]
+        assert executions(db, job) == expected
+
+
+def test_sigterm_gives_prefetched_jobs_back_without_running_them(
+    app: skiplock.App, db: psycopg.Connection[Any], spawn_worker: SpawnWorker
+) -> None:
+    jobs = enqueue(app, db, LEASED, count=3, hold=True)
+    a = spawn_worker(concurrency=1, prefetch=2, shutdown_timeout=0.5)
+    wait_until(
+        lambda: (
+            leased_by(db, jobs) == [str(a.id)] * 3
+            and sum(bool(executions(db, job)) for job in jobs) == 1
+        ),
+        STEP_TIMEOUT,
+        what="one job to run and two to wait prefetched",
+        alive=[a],
+    )
+
+    a.send(signal.SIGTERM)
+    wait_until(
+        lambda: f"worker {a.id} stopped" in a.log(),
+        STEP_TIMEOUT,
+        what="the worker to finish shutting down",
+    )
+    assert a.proc.wait(timeout=EXIT_TIMEOUT) == 0, a.log()[-4000:]
+    for job in jobs:
+        row = live_job(db, job)
+        assert row is not None
+        assert (row["state"], row["attempts"], row["worker_id"]) == ("available", 0, None)
+        assert [(e["type"], e["attempt"]) for e in row["errors"]] == [("WorkerShutdown", 1)]
+    assert sum(len(executions(db, job)) for job in jobs) == 1

@@ -823,3 +823,44 @@ def test_a_job_behind_the_cursor_that_nobody_announced_is_found_by_the_probe(
         wait_until(lambda: executions.total() >= 2, 5.0, "the later job")
         threading.Event().wait(1.0)
         assert state_of(autocommit, hidden) == "available"
+
+
+# -- prefetch --------------------------------------------------------------------------
+
+
+def test_prefetch_claims_ahead_but_never_runs_more_than_the_concurrency(
+    app: skiplock.App, start_worker: StartWorker, autocommit: psycopg.Connection[Any]
+) -> None:
+    lock = threading.Lock()
+    running = 0
+    most = 0
+    claimed_ahead = 0
+    probe: psycopg.Connection[Any]
+
+    @app.task(name="overlap")
+    async def overlap(n: int) -> None:
+        nonlocal running, most, claimed_ahead
+        with lock:
+            running += 1
+            most = max(most, running)
+        row = probe.execute("SELECT count(*) FROM skiplock.jobs WHERE state = 'running'").fetchone()
+        assert row is not None
+        with lock:
+            claimed_ahead = max(claimed_ahead, int(row[0]))
+        await asyncio.sleep(0.02)
+        with lock:
+            running -= 1
+
+    start_worker(app, concurrency=2, prefetch=3, poll_interval=0.05)
+    with psycopg.connect(app.database_url, autocommit=True) as probe:
+        with psycopg.connect(app.database_url) as conn:
+            ids = app.enqueue_many(conn, [overlap.job(n=n) for n in range(30)])
+        for job_id in ids:
+            wait_for_state(autocommit, job_id, "completed")
+    assert most == 2, (most, claimed_ahead)
+    assert 2 < claimed_ahead <= 5, (most, claimed_ahead)  # leased ahead of free slots, at most concurrency + prefetch
+
+
+def test_prefetch_must_be_a_non_negative_integer(app: skiplock.App) -> None:
+    with pytest.raises(skiplock.ConfigurationError, match="prefetch must be an integer >= 0"):
+        skiplock.Worker(app, prefetch=-1)

@@ -343,10 +343,20 @@ def latency_once(url: str, schema: str, samples: int, gap: float) -> dict[str, f
         }
 
 
-def seed_once(url: str) -> float:
+def seed_once(url: str, prefetch: int = 0) -> float:
     """The lesson's 400-job scenario, via ``skiplock demo --json``."""
     out = subprocess.run(
-        [sys.executable, "-m", "skiplock", "--database-url", url, "demo", "--json"],
+        [
+            sys.executable,
+            "-m",
+            "skiplock",
+            "--database-url",
+            url,
+            "demo",
+            "--json",
+            "--prefetch",
+            str(prefetch),
+        ],
         check=True,
         capture_output=True,
         text=True,
@@ -452,6 +462,9 @@ def run(
             continue
         elif scenario == "seed":
             fig = Figure("seed (lesson's 400 jobs)", "s", [seed_once(url) for _ in range(runs)])
+            report(fig)
+            # The same with each worker claiming one job ahead (--prefetch 1): opt-in.
+            fig = Figure("seed, prefetch 1", "s", [seed_once(url, 1) for _ in range(runs)])
         elif scenario in ("history", "scheduled"):
             kind = "finished" if scenario == "history" else "scheduled"
             fig = Figure(f"drain, {history_rows:,} {kind} rows", "jobs/s")

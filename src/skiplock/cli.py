@@ -96,6 +96,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         app,
         queues=queues,
         concurrency=args.concurrency,
+        prefetch=args.prefetch,
         poll_interval=args.poll_interval,
         lease_seconds=args.lease,
         shutdown_timeout=args.shutdown_timeout,
@@ -144,6 +145,8 @@ def _supervise(args: argparse.Namespace) -> int:
         str(args.poll_interval),
         "--shutdown-timeout",
         str(args.shutdown_timeout),
+        "--prefetch",
+        str(args.prefetch),
     ]
     if args.no_liveness_lock:
         command.append("--no-liveness-lock")
@@ -469,7 +472,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from skiplock import demo  # noqa: PLC0415
 
-    return demo.main(args.database_url, args.demo_schema, args.json)
+    return demo.main(args.database_url, args.demo_schema, args.json, args.prefetch)
 
 
 SCENARIOS = (
@@ -538,6 +541,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queues", default="default", help="comma-separated (default: default)")
     p.add_argument("--concurrency", type=int, default=10, help="jobs at once per process")
     p.add_argument("--processes", type=int, default=1, help="worker processes to run")
+    p.add_argument(
+        "--prefetch",
+        type=int,
+        default=0,
+        help="claim up to N jobs beyond free slots, so each start skips a claim round trip "
+        "(they wait leased; given back at shutdown; default 0)",
+    )
     p.add_argument("--lease", type=float, default=30.0, help="lease seconds (default 30)")
     p.add_argument("--poll-interval", type=float, default=1.0, help="fallback poll seconds")
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
@@ -637,6 +647,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--demo-schema",
         default="skiplock_demo",
         help="scratch schema the demo drops and rebuilds (default: %(default)s)",
+    )
+    p.add_argument(
+        "--prefetch",
+        type=int,
+        default=0,
+        help="each worker claims up to N jobs beyond its free slot (default 0, as the lesson)",
     )
     p.set_defaults(func=cmd_demo)
 

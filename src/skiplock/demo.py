@@ -317,13 +317,13 @@ async def _stop(workers: Sequence[Worker], runs: Sequence[asyncio.Task[None]]) -
     await asyncio.gather(*runs, return_exceptions=True)
 
 
-async def _drain(url: str, schema: str) -> DrainResult:
+async def _drain(url: str, schema: str, prefetch: int = 0) -> DrainResult:
     app = App(url, schema=schema)
     tally = Tally()
     tasks = _define_tasks(app, tally)
     specs: list[JobSpec] = [tasks[kind_of(n)].job(n=n) for n in range(1, JOB_COUNT + 1)]
     workers = [
-        Worker(app, queues=["default"], concurrency=1, poll_interval=0.05)
+        Worker(app, queues=["default"], concurrency=1, poll_interval=0.05, prefetch=prefetch)
         for _ in range(WORKER_COUNT)
     ]
     runs = [
@@ -529,14 +529,14 @@ def _quiet_workers() -> Iterator[None]:
         logger.setLevel(previous)
 
 
-def run(database_url: str | None, schema: str) -> dict[str, Any]:
+def run(database_url: str | None, schema: str, prefetch: int = 0) -> dict[str, Any]:
     """Run both halves of the demo and return the report (what ``--json`` prints)."""
     validate_schema(schema)
     embedded = not (database_url or os.environ.get(DATABASE_URL_ENV))
     url = resolve_database_url(database_url)
     version = _reset_schema(url, schema)
     with _quiet_workers():
-        drain = asyncio.run(_drain(url, schema))
+        drain = asyncio.run(_drain(url, schema, prefetch))
         crash = _crash(url, schema)
     summary, checks = summarize(drain.endings, drain.tally, drain.inserted)
     checks["crash_recovered"] = crash.recovered
@@ -633,10 +633,10 @@ def render_text(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(database_url: str | None, schema: str, as_json: bool) -> int:
+def main(database_url: str | None, schema: str, as_json: bool, prefetch: int = 0) -> int:
     """Run the demo and print its report; 0 when every check holds, 1 otherwise."""
     try:
-        report = run(database_url, schema)
+        report = run(database_url, schema, prefetch)
     except DemoError as exc:
         if as_json:
             print(json.dumps({"ok": False, "error": str(exc)}))

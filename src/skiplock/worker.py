@@ -89,6 +89,7 @@ class Worker:
         history_interval: float = 60.0,
         completer_interval: float = 0.002,
         admit_interval: float = 5.0,
+        prefetch: int = 0,
         liveness_lock: bool = True,
         metrics: NullMetrics | None = None,
     ) -> None:
@@ -96,6 +97,8 @@ class Worker:
             raise ConfigurationError("a worker needs at least one queue")
         for queue in queues:
             check_name("queue", queue, MAX_QUEUE_NAME)
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigurationError(f"prefetch must be an integer >= 0, got {prefetch!r}")
         if concurrency < 1:
             raise ConfigurationError(f"concurrency must be >= 1, got {concurrency}")
         if lease_seconds <= 0 or poll_interval <= 0:
@@ -117,6 +120,11 @@ class Worker:
         self.completer_interval = completer_interval
         self.admit_interval = admit_interval
         self.liveness_lock = liveness_lock
+        # Jobs claimed beyond free capacity, waiting here (leased and heartbeated) for a
+        # slot: their start then costs no claim round trip. Off unless asked for.
+        self.prefetch = prefetch
+        self._gate: asyncio.Semaphore | None = None
+        self._at_gate: set[int] = set()
         self.id: UUID = uuid4()
         self._rng = random.Random()
         self.leadership = Leadership(leader_ttl, self._rng)
@@ -188,7 +196,8 @@ class Worker:
             sync_pool.open()
         await pool.open()
         threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="skiplock-job")
-        slots = Slots(self.concurrency)
+        slots = Slots(self.concurrency + self.prefetch)
+        self._gate = asyncio.Semaphore(self.concurrency) if self.prefetch else None
         wake = self._wake = {queue: asyncio.Event() for queue in self.queues}
         promote_wake = asyncio.Event()
         self.completer = completer = Completer(
@@ -467,9 +476,23 @@ class Worker:
 
     async def _run_leased(self, job: ClaimedJob, threads: ThreadPoolExecutor, slots: Slots) -> None:
         cancel = self._cancel_flags[job.id] = CancelFlag()
+        gate = self._gate
+        gated = False
         try:
             started = time.perf_counter()
             try:
+                if gate is not None:
+                    # A prefetched job waits for a free slot; at shutdown _drain gives it
+                    # back, and a cancel request ends it here without running it.
+                    self._at_gate.add(job.id)
+                    try:
+                        await gate.acquire()
+                        gated = True
+                    finally:
+                        self._at_gate.discard(job.id)
+                    started = time.perf_counter()
+                if cancel.is_set():
+                    raise asyncio.CancelledError  # cancelled while it waited: never ran
                 outcome = await executor.run_leased(
                     self.app,
                     job,
@@ -508,6 +531,8 @@ class Worker:
                 del self._leased[job.id]
             self._cancel_flags.pop(job.id, None)
             self._job_tasks.pop(job.id, None)
+            if gated and gate is not None:
+                gate.release()
             slots.give(1)
 
     def _hold_slot(self, slots: Slots, thread: asyncio.Future[Any]) -> None:
@@ -960,8 +985,14 @@ class Worker:
         Jobs still running at the timeout are released: back to the queue at once with
         the attempt given back (it was cut short, not failed) and a WorkerShutdown note.
         """
-        running = [task for _, task in self._leased.values()] + list(self._sessions)
         unfinished: dict[int, int] = {}
+        # Prefetched jobs that never started go back at once, their attempt given back.
+        for job_id in list(self._at_gate):
+            entry = self._leased.pop(job_id, None)
+            if entry is not None:
+                unfinished[job_id] = entry[0]
+                entry[1].cancel()
+        running = [task for _, task in self._leased.values()] + list(self._sessions)
         if running:
             finished = asyncio.ensure_future(
                 asyncio.wait(running, timeout=max(self.shutdown_timeout, 0.001))
