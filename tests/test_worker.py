@@ -858,7 +858,10 @@ def test_prefetch_claims_ahead_but_never_runs_more_than_the_concurrency(
         for job_id in ids:
             wait_for_state(autocommit, job_id, "completed")
     assert most == 2, (most, claimed_ahead)
-    assert 2 < claimed_ahead <= 5, (most, claimed_ahead)  # leased ahead of free slots, at most concurrency + prefetch
+    assert 2 < claimed_ahead <= 5, (
+        most,
+        claimed_ahead,
+    )  # leased ahead of free slots, at most concurrency + prefetch
 
 
 def test_prefetch_must_be_a_non_negative_integer(app: skiplock.App) -> None:

@@ -17,7 +17,7 @@ from psycopg.rows import dict_row
 from skiplock.config import control_channel, done_channel, notify_channel
 from skiplock.errors import ConfigurationError, JobNotFoundError
 from skiplock.sql import admin, complete, enqueue, render
-from skiplock.tasks import JobSpec, parse_rate
+from skiplock.tasks import JobSpec, check_rate
 from skiplock.types import Job, JobState
 
 Conn = psycopg.Connection[Any]
@@ -462,16 +462,19 @@ def set_queue_limits(
     rate: tuple[int, float] | str | None = None,
 ) -> None:
     """Limit a queue across all workers: at most ``concurrency`` jobs running at once and
-    ``rate`` = (jobs, seconds) or "100/s" started per period. None removes a limit. Workers pick the
-    change up at once (and within a few seconds if the message is missed)."""
-    if concurrency is not None and not (
-        isinstance(concurrency, int) and 1 <= concurrency <= 2**31 - 1
+    ``rate`` = (jobs, seconds) or "100/s" started per period. None removes a limit.
+    Workers pick the change up before their next claim of the queue (and within a few
+    seconds if the message is missed)."""
+    if concurrency is not None and (
+        not isinstance(concurrency, int)
+        or isinstance(concurrency, bool)
+        or not 1 <= concurrency <= 2**31 - 1
     ):
-        raise ConfigurationError(f"concurrency must be a positive integer, got {concurrency!r}")
-    if isinstance(rate, str):
-        rate = parse_rate(rate)
-    if rate is not None and (rate[0] < 1 or not rate[1] > 0):
-        raise ConfigurationError(f"rate must be at least 1 job per positive period, got {rate!r}")
+        raise ConfigurationError(
+            f"concurrency must be an integer from 1 to {2**31 - 1}, got {concurrency!r}"
+        )
+    if rate is not None:
+        rate = check_rate(rate)
     conn.execute(
         render(admin.QUEUE_SET_LIMITS, schema),
         {

@@ -8,7 +8,6 @@ notification, a slot frees up, or the poll interval passes, whichever is first.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
@@ -16,6 +15,7 @@ from collections.abc import Awaitable, Callable
 import psycopg
 
 from skiplock.retry import RetryPolicy
+from skiplock.waiting import wait_event
 
 log = logging.getLogger("skiplock.producer")
 
@@ -58,8 +58,7 @@ class Slots:
             if remaining <= 0:
                 return
             self._freed.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._freed.wait(), remaining)
+            await wait_event(self._freed, remaining)
 
     @property
     def busy(self) -> int:
@@ -131,5 +130,4 @@ class Producer:
             self.claims += 1
             if got >= want:
                 continue  # a full batch: more is probably waiting
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._poll_interval)
+            await wait_event(self._wake, self._poll_interval)

@@ -293,7 +293,9 @@ class JobSpec:
     key_rate: tuple[int, float] | None = None
 
 
-_RATE = re.compile(r"^\s*(\d+)\s*/\s*(\d*\.?\d*)\s*(s|sec|second|m|min|minute|h|hour|d|day)s?\s*$")
+_RATE = re.compile(
+    r"^\s*(\d+)\s*/\s*(\d+(?:\.\d*)?|\.\d+)?\s*(s|sec|second|m|min|minute|h|hour|d|day)s?\s*$"
+)
 _UNIT_SECONDS = {
     "s": 1,
     "sec": 1,
@@ -317,8 +319,11 @@ def parse_rate(text: str) -> tuple[int, float]:
         )
     jobs, amount, unit = int(match[1]), match[2], match[3]
     period = (float(amount) if amount else 1.0) * _UNIT_SECONDS[unit]
-    if jobs < 1 or jobs > 2**31 - 1 or period <= 0:
-        raise ConfigurationError(f"rate {text!r}: needs at least 1 job per a positive period")
+    if jobs < 1 or jobs > 2**31 - 1 or not (0 < period <= MAX_DELAY_SECONDS):
+        raise ConfigurationError(
+            f"rate {text!r}: needs 1 to {2**31 - 1} jobs per period of more than 0 s and "
+            "at most 100 years"
+        )
     return jobs, period
 
 
@@ -335,10 +340,15 @@ def _check_key(option: str, value: object) -> str:
     return value
 
 
-def _check_keys(options: Mapping[str, Any]) -> None:
+_KEY_OPTIONS = ("ordering_key", "concurrency_key", "rate_key")
+
+
+def _check_keys(options: Mapping[str, Any], current: Mapping[str, Any]) -> None:
     """One key per job: ordering_key, concurrency_key (with concurrency_limit) or
-    rate_key; rate_limit goes with any of them."""
-    given = [k for k in ("ordering_key", "concurrency_key", "rate_key") if options.get(k)]
+    rate_key; rate_limit goes with any of them. ``current``: the options already given
+    to this call (a key given earlier takes a limit given now)."""
+    given = [k for k in _KEY_OPTIONS if options.get(k)]
+    held = given or [k for k in _KEY_OPTIONS if current.get(k)]
     for name in ("ordering_key", "concurrency_key", "rate_key"):
         if name in options and options[name] is not None:
             _check_key(name, options[name])
@@ -349,10 +359,10 @@ def _check_keys(options: Mapping[str, Any]) -> None:
         )
     if "concurrency_limit" in options:
         limit = options["concurrency_limit"]
-        if options.get("concurrency_key") is None:
+        if "concurrency_key" not in held:
             raise ConfigurationError(
                 "concurrency_limit needs a concurrency_key to count by"
-                + (" (an ordering_key runs one job at a time)" if given else "")
+                + (" (an ordering_key runs one job at a time)" if held else "")
             )
         if (
             not isinstance(limit, int)
@@ -363,16 +373,16 @@ def _check_keys(options: Mapping[str, Any]) -> None:
                 f"concurrency_limit must be an integer from 1 to {MAX_KEY_LIMIT}, got {limit!r}"
             )
     if "rate_limit" in options:
-        if not given:
+        if not held:
             raise ConfigurationError(
                 "rate_limit needs a key to count by: rate_key, concurrency_key or ordering_key"
             )
-        _check_rate(options["rate_limit"])
-    elif options.get("rate_key") is not None:
+        check_rate(options["rate_limit"])
+    elif options.get("rate_key") is not None and current.get("rate_limit") is None:
         raise ConfigurationError("rate_key needs a rate_limit, e.g. rate_limit='100/minute'")
 
 
-def _check_rate(value: object) -> tuple[int, float]:
+def check_rate(value: object) -> tuple[int, float]:
     """A rate as '100/minute' or (jobs, seconds)."""
     if isinstance(value, str):
         return parse_rate(value)
@@ -385,12 +395,12 @@ def _check_rate(value: object) -> tuple[int, float]:
         and isinstance(value[1], (int, float))
         and not isinstance(value[1], bool)
         and math.isfinite(value[1])
-        and value[1] > 0
+        and 0 < value[1] <= MAX_DELAY_SECONDS
     ):
         return value[0], float(value[1])
     raise ConfigurationError(
-        f"rate_limit must be jobs/period such as '100/s' or '600/minute', or (jobs, seconds); "
-        f"got {value!r}"
+        f"a rate must be jobs/period such as '100/s' or '600/minute', or (jobs, seconds) with "
+        f"1 to {2**31 - 1} jobs and a period of at most 100 years; got {value!r}"
     )
 
 
@@ -497,7 +507,7 @@ class TaskCall(Generic[R]):
 
     def with_options(self, /, **options: Any) -> TaskCall[R]:
         _reject_unknown(options, _CALL_OPTION_NAMES, "enqueue")
-        _check_keys(options)
+        _check_keys(options, {k: getattr(self, k) for k in (*_KEY_OPTIONS, "rate_limit")})
         if "unique_key" in options or "unique_scope" in options:
             key = options.get("unique_key")
             if key is not None and not isinstance(key, str):
@@ -533,7 +543,7 @@ class TaskCall(Generic[R]):
             if options.get(name) is not None:
                 options = {**{k: v for k, v in cleared.items() if k != name}, **options}
         if options.get("rate_limit") is not None:
-            options = {**options, "rate_limit": _check_rate(options["rate_limit"])}
+            options = {**options, "rate_limit": check_rate(options["rate_limit"])}
         return replace(self, **options)
 
     def job(self, /, **args: Any) -> JobSpec:
@@ -547,7 +557,7 @@ class TaskCall(Generic[R]):
             unique_key = (
                 option if isinstance(option, str) else f"{task.name}:{_KEY_ENCODER.encode(args)}"
             )
-        key_rate = _check_rate(self.rate_limit) if self.rate_limit is not None else None
+        key_rate = check_rate(self.rate_limit) if self.rate_limit is not None else None
         key_limit = 1
         if self.concurrency_key:
             key_limit = self.concurrency_limit

@@ -43,6 +43,7 @@ from skiplock.retry import RetryPolicy
 from skiplock.sql import claim, complete, keys, maintenance, render
 from skiplock.tasks import MAX_QUEUE_NAME, check_name
 from skiplock.types import ClaimedJob
+from skiplock.waiting import wait_event
 
 log = logging.getLogger("skiplock.worker")
 
@@ -149,7 +150,8 @@ class Worker:
         # This worker's queues that have a concurrency or rate limit, and their wake-ups.
         self._governed: set[str] = set()
         self._wake: dict[str, asyncio.Event] = {}
-        self._limits_changed = False
+        self._limits_reading: asyncio.Task[None] | None = None
+        self._pool: AsyncConnectionPool[Any] | None = None
         # Sync handlers still running when shutdown gave up on them. Their threads cannot
         # be stopped, and Python waits for them at exit: the CLI exits hard instead.
         self.abandoned_threads = 0
@@ -195,6 +197,7 @@ class Worker:
             )
             sync_pool.open()
         await pool.open()
+        self._pool = pool
         threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="skiplock-job")
         slots = Slots(self.concurrency + self.prefetch)
         self._gate = asyncio.Semaphore(self.concurrency) if self.prefetch else None
@@ -352,8 +355,7 @@ class Worker:
                     "cannot reach the database (%s); retrying in %.1fs", str(exc).strip(), delay
                 )
                 assert self._stop is not None
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), delay)
+                await wait_event(self._stop, delay)
                 if self._stop.is_set():
                     raise
 
@@ -418,6 +420,7 @@ class Worker:
             if after is not None:
                 params.update(after_priority=after[0], after_run_at=after[1], after_id=after[2])
             statement = full if after is None else resumed
+            await self._limits_read()
             if queue in self._governed:
                 rows = await self._claim_governed(pool, queue, statement, params)
             else:
@@ -473,6 +476,30 @@ class Worker:
                     render(claim.QUEUE_RATE_SPEND, schema), {"queue": queue, "spent": len(rows)}
                 )
         return rows
+
+    async def _reserve_rate(self, queue: str, want: int) -> int:
+        """A transactional session holds its claim for the whole batch, so a limited
+        queue's rate is reserved first, in a short transaction of its own. A reservation
+        the session does not use is lost: the rate is never exceeded, at worst under-used.
+        (Transactional jobs are never 'running': the concurrency limit does not count them.)"""
+        assert self._pool is not None
+        schema = self.app.schema
+        async with self._pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(render(claim.QUEUE_GOVERN, schema), {"queue": queue})
+            settings = await cur.fetchone()
+            if settings is None or settings[1] is None:
+                return want
+            room, frees_in = int(settings[1]), settings[2]
+            if room < want and frees_in is not None:
+                asyncio.get_running_loop().call_later(
+                    max(float(frees_in), 0.001), self._wake[queue].set
+                )
+            granted = max(min(want, room), 0)
+            if granted:
+                await conn.execute(
+                    render(claim.QUEUE_RATE_SPEND, schema), {"queue": queue, "spent": granted}
+                )
+        return granted
 
     async def _run_leased(self, job: ClaimedJob, threads: ThreadPoolExecutor, slots: Slots) -> None:
         cancel = self._cancel_flags[job.id] = CancelFlag()
@@ -587,8 +614,18 @@ class Worker:
             else:
                 self._admit_all = True
             self._admit_wake.set()
-        elif verb == "limits":
-            self._limits_changed = True
+        elif verb == "limits" and self._pool is not None:
+            # Read them now; the next claim of any queue waits for this read, so jobs
+            # enqueued after the change committed are claimed under it.
+            self._limits_reading = asyncio.get_running_loop().create_task(
+                self._read_limits(self._pool)
+            )
+
+    async def _limits_read(self) -> None:
+        reading = self._limits_reading
+        if reading is not None and not reading.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(reading)
 
     # -- keys and limits ---------------------------------------------------------------
 
@@ -608,8 +645,7 @@ class Worker:
         rate_due: dict[str, float] = {}  # rate-limited key -> when its window makes room
         while True:
             wake_at = min([next_full, *rate_due.values()])
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._admit_wake.wait(), max(wake_at - loop.time(), 0))
+            await wait_event(self._admit_wake, wake_at - loop.time())
             self._admit_wake.clear()
             now = loop.time()
             if not self.leadership.is_leader(now):
@@ -687,7 +723,6 @@ class Worker:
 
     async def _read_limits(self, pool: AsyncConnectionPool[Any]) -> None:
         """Which of this worker's queues claim through the limited path."""
-        self._limits_changed = False
         async with pool.connection() as conn:
             cur = await conn.execute(
                 render(claim.QUEUE_LIMITS, self.app.schema), {"queues": self.queues}
@@ -709,9 +744,15 @@ class Worker:
         self, queue: str, slots: Slots, wake: asyncio.Event, start: Any, *, in_thread: bool
     ) -> Producer:
         async def fetch(limit: int) -> int:
+            batch = self.transactional_batch
+            await self._limits_read()
+            if queue in self._governed:
+                batch = await self._reserve_rate(queue, batch)
+                if batch <= 0:
+                    return 0
             claimed: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             slots.take(1)
-            session = asyncio.create_task(start(claimed))
+            session = asyncio.create_task(start(claimed, batch))
             self._sessions.add(session)
             session.add_done_callback(self._sessions.discard)
             if in_thread:
@@ -734,7 +775,7 @@ class Worker:
     def _async_session(
         self, pool: AsyncConnectionPool[Any], queue: str, tasks: list[str], slots: Slots
     ) -> Any:
-        async def session(claimed: asyncio.Future[int]) -> None:
+        async def session(claimed: asyncio.Future[int], batch: int) -> None:
             def on_claimed(n: int) -> None:
                 self.stats.claimed += n
                 self.metrics.claimed(queue, n)
@@ -747,7 +788,7 @@ class Worker:
                         conn,
                         queue,
                         tasks,
-                        self.transactional_batch,
+                        batch,
                         rng=self._rng,
                         on_claimed=on_claimed,
                         on_finished=self._transactional_finished,
@@ -775,7 +816,7 @@ class Worker:
     ) -> Any:
         loop = asyncio.get_running_loop()
 
-        def run_in_thread(claimed: asyncio.Future[int]) -> int:
+        def run_in_thread(claimed: asyncio.Future[int], batch: int) -> int:
             def on_claimed(n: int) -> None:
                 self.stats.claimed += n
                 self.metrics.claimed(queue, n)
@@ -787,15 +828,15 @@ class Worker:
                     conn,
                     queue,
                     tasks,
-                    self.transactional_batch,
+                    batch,
                     rng=random.Random(),
                     on_claimed=on_claimed,
                     on_finished=self._transactional_finished,
                 )
 
-        async def session(claimed: asyncio.Future[int]) -> None:
+        async def session(claimed: asyncio.Future[int], batch: int) -> None:
             try:
-                done = await loop.run_in_executor(threads, run_in_thread, claimed)
+                done = await loop.run_in_executor(threads, run_in_thread, claimed, batch)
                 self.stats.transactional_completed += done
             except Exception as exc:
                 if not claimed.done():
@@ -848,7 +889,7 @@ class Worker:
                     next_heartbeat = now + heartbeat_every
                     await self.heartbeat(pool)
                 await self._write_progress(pool)
-                if self._limits_changed or now >= next_limits:
+                if now >= next_limits:
                     next_limits = now + LIMITS_REFRESH_SECONDS
                     await self._read_limits(pool)
                 if now >= next_election:
@@ -941,8 +982,7 @@ class Worker:
                 log.warning("promoting due jobs failed (%s); will retry", exc)
             except Exception:
                 log.exception("promoting due jobs failed; will retry")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wake.wait(), sleep_for)
+            await wait_event(wake, sleep_for)
 
     async def heartbeat(self, pool: AsyncConnectionPool[Any]) -> None:
         """Extend this worker's leases; stop jobs whose lease was lost."""
