@@ -637,6 +637,7 @@ class Worker:
         schema = self.app.schema
         lock = render(keys.ADMIT_LOCK, schema)
         admit = render(keys.ADMIT, schema)
+        admit_all = render(keys.ADMIT_ALL, schema)
         any_waiting = render(keys.ANY_WAITING, schema)
         rate_next = render(keys.KEY_RATE_NEXT, schema)
         params = {"lock": f"{schema}.admit", "channel": notify_channel(schema)}
@@ -674,7 +675,10 @@ class Worker:
                             continue
                     async with conn.transaction():
                         await conn.execute(lock, params)
-                        cur = await conn.execute(admit, {**params, "keys": asked})
+                        if asked is None:
+                            cur = await conn.execute(admit_all, params)
+                        else:
+                            cur = await conn.execute(admit, {**params, "keys": asked})
                         admitted = sum(int(r[1]) for r in await cur.fetchall())
                     cur = await conn.execute(rate_next)
                     rate_due = {

@@ -5,12 +5,20 @@
 # fencing refuses the old attempt's completion); the enqueue itself was durable in the
 # caller's transaction. Skipping the WAL flush takes a disk wait off every claim, which is
 # most of the idle enqueue-to-start latency. Outcomes switch it back on (DURABLE_COMMIT_ON).
-WORKER_SESSION_OPTIONS = "-c synchronous_commit=off"
+#
+# And without sequential scans unless nothing else will do: every worker statement is
+# written for an index, but a queue table is often analyzed while it holds a few live rows
+# among many dead ones, and a planner that takes it for tiny may choose to read all of it.
+# With VACUUM held back that is every version of every job since. (Joins by id also say
+# `id = ANY(...)` for the same reason: sql/complete.py.)
+WORKER_SESSION_OPTIONS = "-c synchronous_commit=off -c enable_seqscan=off"
 
 # Lease mode: lock up to `limit` ready rows, skipping those another worker holds, and mark
 # them running in the same statement; the caller commits at once. The CTE is what makes
 # LIMIT bind: a bare UPDATE ... WHERE id IN (SELECT ... LIMIT) may be planned to update
-# more rows than the limit. The inner ORDER BY matches the jobs_claim index exactly.
+# more rows than the limit. The inner ORDER BY matches the jobs_claim index exactly. The
+# update finds the picked rows by `id = ANY(ARRAY(...))`, an index condition on the
+# primary key whatever the statistics say (see ROBUST_LOOKUP in sql/complete.py).
 # run_at <= now() guards rows inserted by hand as 'available' with a future run_at. The
 # paused check is a single primary-key lookup, evaluated once per claim.
 # attempts + 1 becomes this attempt's fencing token. Arguments come back as text and
@@ -38,8 +46,7 @@ SET state = 'running',
     worker_id = %(worker_id)s,
     attempted_at = now(),
     lease_expires_at = now() + %(lease_seconds)s * interval '1 second'
-FROM picked
-WHERE j.id = picked.id
+WHERE j.id = ANY(ARRAY(SELECT id FROM picked))
 RETURNING j.id, j.queue, j.task, j.args::text, j.priority,
           least(greatest(j.run_at, '0001-01-02'), '9999-12-30'),
           j.attempts, j.max_attempts,

@@ -12,20 +12,31 @@ ADMIT_LOCK = """
 SELECT pg_advisory_xact_lock(hashtextextended(%(lock)s, 0))
 """
 
-# For each key asked about (every key with waiting jobs when %(keys)s is NULL), the
+# For each key asked about (ADMIT_ALL: every key with waiting jobs), the
 # oldest waiting job's limits apply: room is its concurrency limit minus the key's
 # admitted jobs and, with a rate, the rate minus the admissions logged within the period.
 # That many of the key's oldest waiting jobs become scheduled or available, and their
 # admission times are logged for rate-limited keys. statement_timestamp(): this
 # statement starts after the lock is held. A job retried by hand may carry a retry_at
 # from before; it runs at once when admitted.
-ADMIT = (
-    """
+_ASKED_KEYS = """
 WITH asked AS (
-    SELECT DISTINCT ordering_key AS key
-    FROM {jobs}
-    WHERE state = 'blocked'
-      AND (%(keys)s::text[] IS NULL OR ordering_key = ANY(%(keys)s::text[]))
+    -- Key by key, each an equality on the index of waiting jobs. LATERAL ... LIMIT 1 so
+    -- that no plan can turn it into a join that walks the whole index (see
+    -- ROBUST_LOOKUP in sql/complete.py).
+    SELECT DISTINCT k AS key
+    FROM unnest(%(keys)s::text[]) AS k,
+         LATERAL (SELECT 1 FROM {jobs}
+                  WHERE ordering_key = k AND state = 'blocked' LIMIT 1) AS waiting
+"""
+
+_ASKED_ALL = """
+WITH asked AS (
+    SELECT DISTINCT ordering_key AS key FROM {jobs} WHERE state = 'blocked'
+"""
+
+_ADMIT = (
+    """
 ), head AS (
     SELECT asked.key, oldest.key_limit, oldest.key_rate, oldest.key_period
     FROM asked,
@@ -57,8 +68,10 @@ WITH asked AS (
     UPDATE {jobs} AS j
     SET state = CASE WHEN j.run_at > now() THEN 'scheduled' ELSE 'available' END,
         retry_at = NULL
-    FROM picked
-    WHERE j.id = picked.id AND j.state = 'blocked'
+    -- Picked as blocked in this statement's snapshot, under the admission lock: only a
+    -- cancel or delete can touch such a row meanwhile, and then it is gone. (No state
+    -- test here: it would let the planner walk the index of waiting jobs instead.)
+    WHERE j.id = ANY(ARRAY(SELECT id FROM picked))
     RETURNING j.queue, j.priority, j.run_at, j.ordering_key
 ), logged AS (
     INSERT INTO {key_rates} AS r (key, period, admissions)
@@ -75,6 +88,10 @@ WITH asked AS (
 )"""
     + NOTIFY_MOVED
 )
+
+ADMIT = _ASKED_KEYS + _ADMIT
+# The periodic full pass: the same for every key with waiting jobs.
+ADMIT_ALL = _ASKED_ALL + _ADMIT
 
 # Rate-limited keys that still have waiting jobs, and in how many seconds the oldest
 # admission in each one's window leaves it (room for one more). The leader comes back

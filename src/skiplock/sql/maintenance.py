@@ -45,14 +45,14 @@ WITH moved AS (
             'traceback', NULL)),
         worker_id = NULL,
         lease_expires_at = NULL
-    WHERE id IN (
+    WHERE id = ANY(ARRAY(
         -- SKIP LOCKED here and below: a row locked by another transaction must never
         -- make the leader wait, or one stuck session would stop every rescue and the
         -- leader's own heartbeats. A skipped row is rescued on a later pass.
         SELECT id FROM {jobs}
         WHERE state = 'running' AND worker_id = ANY(%(workers)s::uuid[])
           AND cancel_requested_at IS NULL
-        FOR UPDATE SKIP LOCKED)
+        FOR UPDATE SKIP LOCKED))
     RETURNING queue, priority, run_at
 )"""
     + NOTIFY_MOVED
@@ -63,12 +63,12 @@ WITH moved AS (
 JOB_CANCEL_ABANDONED = """
 WITH done AS (
     DELETE FROM {jobs}
-    WHERE id IN (
+    WHERE id = ANY(ARRAY(
         SELECT id FROM {jobs} AS j
         WHERE state = 'running' AND cancel_requested_at IS NOT NULL
           AND (lease_expires_at < now()
                OR NOT EXISTS (SELECT 1 FROM {workers} AS w WHERE w.id = j.worker_id))
-        FOR UPDATE SKIP LOCKED)
+        FOR UPDATE SKIP LOCKED))
     RETURNING *
 )
 INSERT INTO {history} (id, queue, task, args, state, priority, attempts, max_attempts, errors,
@@ -98,10 +98,10 @@ SET state = CASE WHEN attempts >= max_attempts THEN 'dead' ELSE 'available' END,
         'traceback', NULL)),
     worker_id = NULL,
     lease_expires_at = NULL
-WHERE id IN (
+WHERE id = ANY(ARRAY(
     SELECT id FROM {jobs}
     WHERE state = 'running' AND lease_expires_at < now() AND cancel_requested_at IS NULL
-    FOR UPDATE SKIP LOCKED)
+    FOR UPDATE SKIP LOCKED))
 RETURNING queue, priority, run_at
 )"""
     + NOTIFY_MOVED
@@ -124,8 +124,7 @@ WITH due AS (
 ), moved AS (
     UPDATE {jobs} AS j
     SET state = 'available'
-    FROM due
-    WHERE j.id = due.id
+    WHERE j.id = ANY(ARRAY(SELECT id FROM due))
     RETURNING j.queue, j.priority, j.run_at
 )"""
     + NOTIFY_MOVED
