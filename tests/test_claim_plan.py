@@ -17,6 +17,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from skiplock.completer import fenced_batch
 from skiplock.sql import claim, complete, keys, maintenance, render
 
 SCHEMA = "skiplock"
@@ -197,27 +198,22 @@ def misleading(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
 
 
 def fenced(**extra: Any) -> dict[str, Any]:
-    ids = [11, 12, 13]
-    return {
-        "ids": ids,
-        "attempts": [1] * len(ids),
-        "progress": [None] * len(ids),
-        "worker_id": uuid.uuid4(),
-        **extra,
-    }
+    """A fenced batch of three jobs (completer.fenced_batch), with per-job ``extra``."""
+    entries = {job_id: {"attempt": 1, "progress": None, **extra} for job_id in (11, 12, 13)}
+    return {**fenced_batch(entries), "worker_id": uuid.uuid4()}
 
 
 ROBUST = {
     "claim": (claim.JOB_CLAIM_BATCH, claim_params(50, [])),
-    "complete": (complete.JOB_COMPLETE_MANY_IF_LEASED, fenced(results=[None] * 3)),
+    "complete": (complete.JOB_COMPLETE_MANY_IF_LEASED, fenced(result=None)),
     "fail": (
         complete.JOB_FAIL_MANY_IF_LEASED,
-        fenced(dead=[False] * 3, delays=[1.0] * 3, errors=["{}"] * 3),
+        fenced(dead=False, delay=1.0, error={}),
     ),
-    "snooze": (complete.JOB_SNOOZE_MANY_IF_LEASED, fenced(delays=[1.0] * 3)),
+    "snooze": (complete.JOB_SNOOZE_MANY_IF_LEASED, fenced(delay=1.0)),
     "cancel": (complete.JOB_CANCEL_MANY_IF_LEASED, fenced()),
-    "heartbeat": (complete.JOB_EXTEND_LEASES, fenced(lease_seconds=30.0)),
-    "release": (complete.JOB_RELEASE_MANY_IF_LEASED, fenced(channel="c")),
+    "heartbeat": (complete.JOB_EXTEND_LEASES, {**fenced(), "lease_seconds": 30.0}),
+    "release": (complete.JOB_RELEASE_MANY_IF_LEASED, {**fenced(), "channel": "c"}),
     "promote": (maintenance.JOB_PROMOTE_DUE, {"limit": 1000, "channel": "c"}),
     "admit": (keys.ADMIT, {"keys": ["k1", "k2"], "channel": "c"}),
 }

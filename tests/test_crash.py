@@ -26,6 +26,7 @@ import psycopg
 import pytest
 
 import skiplock
+from skiplock.completer import fenced_batch
 from skiplock.config import notify_channel
 from skiplock.sql import claim, complete, maintenance, render
 
@@ -608,22 +609,19 @@ def test_every_fenced_write_refuses_a_stale_attempt(
     before = live_state(conn, job)
 
     def write(statement: str, ids: list[int], attempts: list[int], worker: uuid.UUID) -> Any:
-        n = len(ids)
-        params: dict[str, Any] = {
-            "ids": ids,
-            "attempts": attempts,
-            "worker_id": worker,
-            "progress": [None] * n,
-        }
-        if statement == complete.JOB_COMPLETE_MANY_IF_LEASED:
-            params["results"] = ['"done"'] * n
-        elif statement == complete.JOB_FAIL_MANY_IF_LEASED:
-            error = json.dumps({"type": "Boom", "attempt": attempts[0]})
-            params.update(dead=[False] * n, delays=[0.0] * n, errors=[error] * n)
-        elif statement == complete.JOB_EXTEND_LEASES:
+        entries: dict[int, dict[str, Any]] = {}
+        for job_id, attempt in zip(ids, attempts, strict=True):
+            entry: dict[str, Any] = {"attempt": attempt, "progress": None}
+            if statement == complete.JOB_COMPLETE_MANY_IF_LEASED:
+                entry["result"] = '"done"'
+            elif statement == complete.JOB_FAIL_MANY_IF_LEASED:
+                entry.update(dead=False, delay=0.0, error={"type": "Boom", "attempt": attempt})
+            elif statement == complete.JOB_SNOOZE_MANY_IF_LEASED:
+                entry["delay"] = 1.0
+            entries[job_id] = entry
+        params: dict[str, Any] = {**fenced_batch(entries), "worker_id": worker}
+        if statement == complete.JOB_EXTEND_LEASES:
             params["lease_seconds"] = 300
-        elif statement == complete.JOB_SNOOZE_MANY_IF_LEASED:
-            params["delays"] = [1.0] * n
         elif statement == complete.JOB_RELEASE_MANY_IF_LEASED:
             params["channel"] = f"{SCHEMA}.jobs"
         return conn.execute(render(statement, SCHEMA), params).fetchall()

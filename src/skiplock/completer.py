@@ -8,7 +8,6 @@ their leases expire and they run again (at-least-once).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Any
 from uuid import UUID
 
 import psycopg
+from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from skiplock.config import done_channel
@@ -64,30 +64,27 @@ _STATEMENTS = {
 }
 
 
+def fenced_batch(entries: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Parameters of a fenced batch statement: the ids, and each job's own values keyed by
+    id (sql/complete.py, ROBUST_LOOKUP)."""
+    return {"ids": list(entries), "batch": Jsonb({str(k): v for k, v in entries.items()})}
+
+
 def outcome_writes(batch: list[Outcome]) -> list[tuple[str, dict[str, Any]]]:
     """The statements (by group) and parameters that write ``batch``; pure."""
-    groups: dict[str, list[Outcome]] = {}
+    groups: dict[str, dict[int, dict[str, Any]]] = {}
     for outcome in batch:
         kind = outcome.kind
         group = "failed" if kind in ("retried", "dead") else kind
-        groups.setdefault(group, []).append(outcome)
-    writes = []
-    for group, outcomes in groups.items():
-        params: dict[str, Any] = {
-            "ids": [o.job_id for o in outcomes],
-            "attempts": [o.attempt for o in outcomes],
-            "progress": [o.progress_json for o in outcomes],
-        }
+        entry: dict[str, Any] = {"attempt": outcome.attempt, "progress": outcome.progress_json}
         if group == "completed":
-            params["results"] = [o.result_json for o in outcomes]
+            entry["result"] = outcome.result_json
         elif group == "failed":
-            params["dead"] = [o.dead for o in outcomes]
-            params["delays"] = [o.delay for o in outcomes]
-            params["errors"] = [json.dumps(o.error) for o in outcomes]
+            entry.update(dead=outcome.dead, delay=outcome.delay, error=outcome.error)
         elif group == "snoozed":
-            params["delays"] = [o.delay for o in outcomes]
-        writes.append((group, params))
-    return writes
+            entry["delay"] = outcome.delay
+        groups.setdefault(group, {})[outcome.job_id] = entry
+    return [(group, fenced_batch(entries)) for group, entries in groups.items()]
 
 
 @dataclass

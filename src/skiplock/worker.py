@@ -28,7 +28,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from skiplock import executor, history
 from skiplock.app import App
-from skiplock.completer import Completer, Outcome
+from skiplock.completer import Completer, Outcome, fenced_batch
 from skiplock.config import control_channel, notify_channel
 from skiplock.context import CancelFlag
 from skiplock.cursor import ClaimCursor, Wakeup
@@ -1000,8 +1000,7 @@ class Worker:
             cur = await conn.execute(
                 render(complete.JOB_EXTEND_LEASES, self.app.schema),
                 {
-                    "ids": list(held),
-                    "attempts": [attempt for attempt, _ in held.values()],
+                    **fenced_batch({job_id: {"attempt": a} for job_id, (a, _) in held.items()}),
                     "worker_id": self.id,
                     "lease_seconds": self.lease_seconds,
                 },
@@ -1083,8 +1082,7 @@ class Worker:
             cur = await conn.execute(
                 render(complete.JOB_RELEASE_MANY_IF_LEASED, self.app.schema),
                 {
-                    "ids": list(jobs),
-                    "attempts": list(jobs.values()),
+                    **fenced_batch({job_id: {"attempt": a} for job_id, a in jobs.items()}),
                     "worker_id": self.id,
                     "channel": notify_channel(self.app.schema),
                 },

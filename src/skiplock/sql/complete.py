@@ -13,12 +13,14 @@ re-run elsewhere: the stale attempt must not overwrite it.
 
 from skiplock.sql.maintenance import NOTIFY_MOVED
 
-# ROBUST_LOOKUP: every statement that joins jobs to a handful of ids also says
-# `j.id = ANY(ids)`. Without it the plan depends on the statistics: a queue table is
-# analyzed while it holds a few live rows among many dead ones, the planner then takes it
-# for tiny and joins by walking the whole primary key (every dead entry, while VACUUM is
-# held back: measured on PostgreSQL 18, 1,400 index entries read per job). The array
-# condition is an index condition in any plan.
+# ROBUST_LOOKUP: no statement here joins jobs to the batch. A join's plan depends on the
+# statistics, and a queue table is analyzed while it holds a few live rows among many dead
+# ones: the planner then takes it for tiny and joins by walking the whole primary key
+# (every dead entry while VACUUM is held back; measured on PostgreSQL 18: 1,400 index
+# entries read per job), or, told the ids, loops over the batch once per row. Instead the
+# rows are found by `j.id = ANY(ids)`, an index condition in any plan, and each row's own
+# values (its attempt, result, ...) are looked up by id in %(batch)s, a jsonb object keyed
+# by id: a binary search per row (decision 013).
 
 _HISTORY_COLUMNS = """id, queue, task, args, state, priority, attempts, max_attempts, errors,
                     result, unique_key, ordering_key, created_at, attempted_at, progress"""
@@ -27,13 +29,11 @@ JOB_COMPLETE_MANY_IF_LEASED = (
     """
 WITH done AS (
     DELETE FROM {jobs} AS j
-    USING unnest(%(ids)s::bigint[], %(attempts)s::int[], %(results)s::text[],
-                 %(progress)s::text[]) AS o(id, attempt, result, last_progress)
-    WHERE j.id = o.id
-      AND j.id = ANY(%(ids)s::bigint[])
-      AND j.attempts = o.attempt
+    WHERE j.id = ANY(%(ids)s::bigint[])
+      AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
       AND j.worker_id = %(worker_id)s
-    RETURNING j.*, o.result, o.last_progress
+    RETURNING j.*, %(batch)s::jsonb -> j.id::text ->> 'result' AS result,
+              %(batch)s::jsonb -> j.id::text ->> 'progress' AS last_progress
 )
 INSERT INTO {history} ("""
     + _HISTORY_COLUMNS
@@ -52,18 +52,16 @@ RETURNING id
 # dropped either way; the error is appended so every attempt's failure is kept.
 JOB_FAIL_MANY_IF_LEASED = """
 UPDATE {jobs} AS j
-SET state = CASE WHEN o.dead THEN 'dead' ELSE 'retryable' END,
-    retry_at = now() + o.delay * interval '1 second',
-    errors = j.errors || jsonb_build_array(o.error::jsonb),
-    progress = coalesce(o.last_progress::jsonb, j.progress),
+SET state = CASE WHEN (%(batch)s::jsonb -> j.id::text -> 'dead')::boolean THEN 'dead'
+                 ELSE 'retryable' END,
+    retry_at = now()
+               + (%(batch)s::jsonb -> j.id::text ->> 'delay')::float8 * interval '1 second',
+    errors = j.errors || jsonb_build_array(%(batch)s::jsonb -> j.id::text -> 'error'),
+    progress = coalesce((%(batch)s::jsonb -> j.id::text ->> 'progress')::jsonb, j.progress),
     worker_id = NULL,
     lease_expires_at = NULL
-FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(dead)s::bool[], %(delays)s::float8[],
-            %(errors)s::text[], %(progress)s::text[])
-     AS o(id, attempt, dead, delay, error, last_progress)
-WHERE j.id = o.id
-      AND j.id = ANY(%(ids)s::bigint[])
-  AND j.attempts = o.attempt
+WHERE j.id = ANY(%(ids)s::bigint[])
+  AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
   AND j.worker_id = %(worker_id)s
 RETURNING j.id
 """
@@ -74,13 +72,10 @@ JOB_CANCEL_MANY_IF_LEASED = (
     """
 WITH done AS (
     DELETE FROM {jobs} AS j
-    USING unnest(%(ids)s::bigint[], %(attempts)s::int[], %(progress)s::text[])
-          AS o(id, attempt, last_progress)
-    WHERE j.id = o.id
-      AND j.id = ANY(%(ids)s::bigint[])
-      AND j.attempts = o.attempt
+    WHERE j.id = ANY(%(ids)s::bigint[])
+      AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
       AND j.worker_id = %(worker_id)s
-    RETURNING j.*, o.last_progress
+    RETURNING j.*, %(batch)s::jsonb -> j.id::text ->> 'progress' AS last_progress
 )
 INSERT INTO {history} ("""
     + _HISTORY_COLUMNS
@@ -102,10 +97,8 @@ RETURNING id
 JOB_EXTEND_LEASES = """
 UPDATE {jobs} AS j
 SET lease_expires_at = now() + %(lease_seconds)s * interval '1 second'
-FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS o(id, attempt)
-WHERE j.id = o.id
-      AND j.id = ANY(%(ids)s::bigint[])
-  AND j.attempts = o.attempt
+WHERE j.id = ANY(%(ids)s::bigint[])
+  AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
   AND j.worker_id = %(worker_id)s
 RETURNING j.id, j.cancel_requested_at IS NOT NULL
 """
@@ -114,18 +107,16 @@ RETURNING j.id, j.cancel_requested_at IS NOT NULL
 # is given back: nothing failed.
 JOB_SNOOZE_MANY_IF_LEASED = """
 UPDATE {jobs} AS j
-SET state = CASE WHEN o.delay > 0 THEN 'scheduled' ELSE 'available' END,
-    run_at = now() + o.delay * interval '1 second',
+SET state = CASE WHEN (%(batch)s::jsonb -> j.id::text ->> 'delay')::float8 > 0 THEN 'scheduled'
+                 ELSE 'available' END,
+    run_at = now() + (%(batch)s::jsonb -> j.id::text ->> 'delay')::float8 * interval '1 second',
     retry_at = NULL,
     attempts = j.attempts - 1,
-    progress = coalesce(o.last_progress::jsonb, j.progress),
+    progress = coalesce((%(batch)s::jsonb -> j.id::text ->> 'progress')::jsonb, j.progress),
     worker_id = NULL,
     lease_expires_at = NULL
-FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(delays)s::float8[],
-            %(progress)s::text[]) AS o(id, attempt, delay, last_progress)
-WHERE j.id = o.id
-      AND j.id = ANY(%(ids)s::bigint[])
-  AND j.attempts = o.attempt
+WHERE j.id = ANY(%(ids)s::bigint[])
+  AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
   AND j.worker_id = %(worker_id)s
 RETURNING j.id
 """
@@ -167,10 +158,8 @@ WITH moved AS (
             'traceback', NULL)),
         worker_id = NULL,
         lease_expires_at = NULL
-    FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS o(id, attempt)
-    WHERE j.id = o.id
-      AND j.id = ANY(%(ids)s::bigint[])
-      AND j.attempts = o.attempt
+    WHERE j.id = ANY(%(ids)s::bigint[])
+      AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
       AND j.worker_id = %(worker_id)s
     RETURNING j.queue, j.priority, j.run_at
 )"""
