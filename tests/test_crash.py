@@ -258,6 +258,23 @@ def history(conn: psycopg.Connection[Any], job_id: int) -> list[tuple[str, int, 
     return [(str(s), int(a), r) for s, a, r in rows]
 
 
+def wait_stopped(worker: WorkerProcess) -> None:
+    """Until the worker logs that it finished shutting down."""
+    wait_until(
+        lambda: f"worker {worker.id} stopped" in worker.log(),
+        STEP_TIMEOUT,
+        what="the worker to finish shutting down",
+    )
+
+
+def assert_given_back(conn: psycopg.Connection[Any], job_id: int) -> None:
+    """Back in the queue at once, the cut-short attempt uncounted and noted."""
+    row = live_job(conn, job_id)
+    assert row is not None
+    assert (row["state"], row["attempts"], row["worker_id"]) == ("available", 0, None)
+    assert [(e["type"], e["attempt"]) for e in row["errors"]] == [("WorkerShutdown", 1)]
+
+
 def history_errors(conn: psycopg.Connection[Any], job_id: int) -> list[tuple[str, int]]:
     """(type, attempt) of each error the finished job carries."""
     row = conn.execute(
@@ -709,15 +726,8 @@ def test_shutdown_cut_short_gives_the_attempt_back_and_exits(
             alive=[a],
         )
         a.send(signal.SIGTERM)
-    wait_until(
-        lambda: f"worker {a.id} stopped" in a.log(),
-        STEP_TIMEOUT,
-        what="the worker to finish shutting down",
-    )
-    row = live_job(db, job)
-    assert row is not None
-    assert (row["state"], row["attempts"], row["worker_id"]) == ("available", 0, None)
-    assert [(e["type"], e["attempt"]) for e in row["errors"]] == [("WorkerShutdown", 1)]
+    wait_stopped(a)
+    assert_given_back(db, job)
     assert registered_pids(db) == []
     assert a.proc.wait(timeout=EXIT_TIMEOUT) == 0, a.log()[-4000:]
 
@@ -778,15 +788,8 @@ def test_sigterm_gives_prefetched_jobs_back_without_running_them(
     )
 
     a.send(signal.SIGTERM)
-    wait_until(
-        lambda: f"worker {a.id} stopped" in a.log(),
-        STEP_TIMEOUT,
-        what="the worker to finish shutting down",
-    )
+    wait_stopped(a)
     assert a.proc.wait(timeout=EXIT_TIMEOUT) == 0, a.log()[-4000:]
     for job in jobs:
-        row = live_job(db, job)
-        assert row is not None
-        assert (row["state"], row["attempts"], row["worker_id"]) == ("available", 0, None)
-        assert [(e["type"], e["attempt"]) for e in row["errors"]] == [("WorkerShutdown", 1)]
+        assert_given_back(db, job)
     assert sum(len(executions(db, job)) for job in jobs) == 1

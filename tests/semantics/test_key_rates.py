@@ -15,7 +15,8 @@ import skiplock
 from skiplock import history
 
 from .conftest import Sem, StartWorkers
-from .test_limits import PATIENCE, Timeline, max_overlap, most_starts_within
+from .test_limits import PATIENCE
+from .timeline import Timeline, max_overlap, most_starts_within
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -15,13 +15,10 @@ and never overlapping, overlap per key up to and never past its limit.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -33,63 +30,13 @@ from skiplock import client
 from skiplock.retry import RetryPolicy
 
 from .conftest import RunCli, Sem, StartWorkers
+from .timeline import Run, Timeline, max_overlap
 
 pytestmark = pytest.mark.timeout(90)
 
 QUICK_RETRY = RetryPolicy(base=0.01, cap=0.01, jitter=0.0)
 # Long enough for any wait in these tests on a loaded two-core machine.
 PATIENCE = 30.0
-
-
-@dataclass(frozen=True)
-class Run:
-    """One attempt of one job, as its handler saw it."""
-
-    key: str
-    n: int
-    attempt: int
-    start: float
-    end: float
-
-    def overlaps(self, other: Run) -> bool:
-        return self.start < other.end and other.start < self.end
-
-
-class Timeline:
-    """Handler runs, recorded from any thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._runs: list[Run] = []
-
-    @contextlib.contextmanager
-    def run(self, key: str, n: int) -> Iterator[int]:
-        """Record the handler's run (also when it raises); yields the attempt number."""
-        attempt = skiplock.current_job().attempts
-        start = time.monotonic()
-        try:
-            yield attempt
-        finally:
-            end = time.monotonic()
-            with self._lock:
-                self._runs.append(Run(key, n, attempt, start, end))
-
-    def runs(self, key: str | None = None) -> list[Run]:
-        """Runs (of ``key``, or all), in the order they started."""
-        with self._lock:
-            found = [r for r in self._runs if key is None or r.key == key]
-        return sorted(found, key=lambda r: r.start)
-
-
-def max_overlap(runs: Sequence[Run]) -> int:
-    """The most runs in progress at one time. At equal times an end counts before a
-    start: a run that starts as another ends does not overlap it."""
-    events = sorted([(r.start, 1) for r in runs] + [(r.end, -1) for r in runs])
-    current = peak = 0
-    for _, step in events:
-        current += step
-        peak = max(peak, current)
-    return peak
 
 
 def assert_one_at_a_time(runs: Sequence[Run]) -> None:

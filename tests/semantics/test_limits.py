@@ -11,11 +11,7 @@ rate.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
-import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -27,64 +23,12 @@ from skiplock import client
 from skiplock.tasks import parse_rate
 
 from .conftest import RunCli, Sem, StartWorkers
+from .timeline import Timeline, max_overlap, most_starts_within
 
 pytestmark = pytest.mark.timeout(90)
 
 # Long enough for any wait in these tests on a loaded two-core machine.
 PATIENCE = 30.0
-
-
-@dataclass(frozen=True)
-class Run:
-    queue: str
-    n: int
-    start: float
-    end: float
-
-
-class Timeline:
-    """Handler runs, recorded from any thread or event loop."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._runs: list[Run] = []
-
-    @contextlib.contextmanager
-    def run(self, queue: str, n: int) -> Iterator[None]:
-        start = time.monotonic()
-        try:
-            yield
-        finally:
-            end = time.monotonic()
-            with self._lock:
-                self._runs.append(Run(queue, n, start, end))
-
-    def runs(self, queue: str | None = None) -> list[Run]:
-        with self._lock:
-            found = [r for r in self._runs if queue is None or r.queue == queue]
-        return sorted(found, key=lambda r: r.start)
-
-
-def max_overlap(runs: Sequence[Run]) -> int:
-    """The most runs in progress at one time (at equal times an end counts first)."""
-    events = sorted([(r.start, 1) for r in runs] + [(r.end, -1) for r in runs])
-    current = peak = 0
-    for _, step in events:
-        current += step
-        peak = max(peak, current)
-    return peak
-
-
-def most_starts_within(starts: Sequence[float], window: float) -> int:
-    """The most starts in any half-open interval [t, t + window)."""
-    ordered = sorted(starts)
-    most = 0
-    first = 0
-    for last, at in enumerate(ordered):
-        while at - ordered[first] >= window:
-            first += 1
-        most = max(most, last - first + 1)
-    return most
 
 
 def set_limits(
