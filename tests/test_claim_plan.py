@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -154,7 +154,7 @@ def test_the_resumed_claim_starts_the_index_scan_at_the_cursor(
     statement = render(claim.JOB_CLAIM_BATCH_AFTER, SCHEMA)
     params = claim_params(10, []) | {
         "after_priority": -2,
-        "after_run_at": datetime.now(timezone.utc),
+        "after_run_at": datetime.now(UTC),
         "after_id": 100,
     }
 

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -158,7 +158,7 @@ def test_jobs_retry_makes_a_dead_job_available_and_a_worker_runs_it(
 def test_jobs_cancel_moves_a_waiting_job_to_history(
     app: skiplock.App, make_job: JobFactory, autocommit: psycopg.Connection[Any]
 ) -> None:
-    job_id = make_job(state="scheduled", run_at=datetime(2040, 1, 1, tzinfo=timezone.utc))
+    job_id = make_job(state="scheduled", run_at=datetime(2040, 1, 1, tzinfo=UTC))
 
     out = ok(run_cli(app.database_url, "jobs", "cancel", str(job_id)))
 
@@ -189,7 +189,7 @@ def running_job(make_job: JobFactory) -> int:
         state="running",
         attempts=1,
         worker_id=uuid.uuid4(),
-        lease_expires_at=datetime(2040, 1, 1, tzinfo=timezone.utc),
+        lease_expires_at=datetime(2040, 1, 1, tzinfo=UTC),
     )
 
 
@@ -225,13 +225,13 @@ def test_status_json_counts_jobs_per_queue_and_state(
     for _ in range(3):
         make_job(queue="emails")
     make_job(queue="emails", state="dead", attempts=3)
-    make_job(queue="reports", state="scheduled", run_at=datetime(2040, 1, 1, tzinfo=timezone.utc))
+    make_job(queue="reports", state="scheduled", run_at=datetime(2040, 1, 1, tzinfo=UTC))
     make_job(
         queue="reports",
         state="running",
         attempts=1,
         worker_id=uuid.uuid4(),
-        lease_expires_at=datetime(2040, 1, 1, tzinfo=timezone.utc),
+        lease_expires_at=datetime(2040, 1, 1, tzinfo=UTC),
     )
 
     stats = json.loads(ok(run_cli(app.database_url, "status", "--json")))["queues"]

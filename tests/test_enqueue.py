@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -121,7 +121,7 @@ def test_plain_sql_insert_works_and_notifies(
 
 def test_per_call_options_are_stored(app: skiplock.App, conn: psycopg.Connection[Any]) -> None:
     task = app.task(name="report", queue="reports", priority=5, max_attempts=4)(lambda day: None)
-    at = datetime(2035, 6, 1, 8, 30, tzinfo=timezone.utc)
+    at = datetime(2035, 6, 1, 8, 30, tzinfo=UTC)
 
     plain = task.enqueue(conn, day=1)
     tuned = task.with_options(queue="urgent", priority=-3, max_attempts=9).enqueue(conn, day=2)
@@ -173,7 +173,7 @@ def test_enqueue_many_inserts_every_job_in_one_statement(
         "FOR EACH STATEMENT EXECUTE FUNCTION public.count_insert_statements()"
     )
     send = app.task(name="send", queue="emails")(lambda n: None)
-    at = datetime(2035, 1, 1, tzinfo=timezone.utc)
+    at = datetime(2035, 1, 1, tzinfo=UTC)
     specs = [send.job(n=n) for n in range(50)]
     specs += [
         send.with_options(queue="sms", priority=2, max_attempts=5).job(n=50),
@@ -248,7 +248,7 @@ class Customer:
     [
         ({"value": Customer()}, "argument 'value' is a Customer"),
         ({"value": {1, 2}}, "argument 'value' is a set"),
-        ({"value": datetime(2030, 1, 1, tzinfo=timezone.utc)}, "argument 'value' is a datetime"),
+        ({"value": datetime(2030, 1, 1, tzinfo=UTC)}, "argument 'value' is a datetime"),
         ({"value": math.nan}, "argument 'value' is nan"),
         ({"value": math.inf}, "argument 'value' is inf"),
         ({"value": [1.0, -math.inf]}, r"argument 'value'\[1\] is -inf"),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from hypothesis import given
@@ -13,7 +13,7 @@ import skiplock
 from skiplock.executor import failure_outcome
 from skiplock.retry import RetryPolicy, decide_failure, retry_at_from
 
-NOW = datetime(2030, 1, 1, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
 
 
 class FixedRandom(random.Random):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -194,7 +194,7 @@ def test_a_job_spec_carries_the_task_defaults(offline_app: skiplock.App) -> None
 
 def test_per_call_options_override_the_defaults(offline_app: skiplock.App) -> None:
     task = offline_app.task(queue="emails", priority=3, max_attempts=7)(send_receipt)
-    when = datetime(2031, 5, 4, 3, 2, 1, tzinfo=timezone.utc)
+    when = datetime(2031, 5, 4, 3, 2, 1, tzinfo=UTC)
 
     spec = task.with_options(queue="urgent", priority=0, max_attempts=1, run_at=when).job(
         order_id=1
@@ -231,7 +231,7 @@ def test_run_at_and_delay_are_exclusive(offline_app: skiplock.App) -> None:
     task = offline_app.task(send_receipt)
 
     with pytest.raises(skiplock.ConfigurationError, match="run_at or delay, not both"):
-        task.with_options(run_at=datetime.now(timezone.utc), delay=5)
+        task.with_options(run_at=datetime.now(UTC), delay=5)
 
 
 @pytest.mark.parametrize(
@@ -270,7 +270,7 @@ class Order:
     [
         (Order(), "argument 'value' is a Order, which is not JSON"),
         ({1, 2}, "argument 'value' is a set"),
-        (datetime(2030, 1, 1, tzinfo=timezone.utc), "argument 'value' is a datetime"),
+        (datetime(2030, 1, 1, tzinfo=UTC), "argument 'value' is a datetime"),
         (b"bytes", "argument 'value' is a bytes"),
         (math.nan, "argument 'value' is nan, which JSON cannot hold"),
         (math.inf, "argument 'value' is inf"),

@@ -14,7 +14,7 @@ import threading
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -431,7 +431,7 @@ def test_retry_after_from_a_handler_schedules_the_next_attempt(
         forms: dict[str, float | timedelta | datetime] = {
             "seconds": 7200.0,
             "timedelta": timedelta(hours=2),
-            "datetime": datetime.now(timezone.utc) + timedelta(hours=2),
+            "datetime": datetime.now(UTC) + timedelta(hours=2),
         }
         raise skiplock.Retry(after=forms[form], reason="partner not ready")
 
@@ -693,7 +693,7 @@ def test_a_scheduled_job_runs_once_due_and_not_before(
 
     @app.task(name="reminder")
     def reminder() -> None:
-        started.append(datetime.now(timezone.utc))
+        started.append(datetime.now(UTC))
 
     start_worker(app, poll_interval=0.1)
 

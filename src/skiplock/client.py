@@ -8,7 +8,7 @@ by the sync and async shells, which only execute.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -49,7 +49,7 @@ def _copy_rows(
     for job_id, spec in zip(ids, specs, strict=True):
         # UTC: COPY refuses some offsets (fractions of a second) that INSERT accepts.
         run_at = (
-            spec.run_at.astimezone(timezone.utc)
+            spec.run_at.astimezone(UTC)
             if spec.run_at
             else (now + timedelta(seconds=spec.delay) if spec.delay else now)
         )

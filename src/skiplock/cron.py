@@ -10,7 +10,7 @@ shorthands. Times are computed in the schedule's timezone (UTC unless given).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone, tzinfo
+from datetime import UTC, datetime, timedelta, tzinfo
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from skiplock.errors import ConfigurationError
@@ -120,7 +120,7 @@ class CronSchedule:
         if moment.tzinfo is None:
             raise ValueError("next_after needs a timezone-aware datetime")
         first = self._next_local(moment)
-        if self.hours_every and self.tz is not timezone.utc:
+        if self.hours_every and self.tz is not UTC:
             repeated = self._repeated_between(moment, first)
             if repeated is not None:
                 return repeated
@@ -129,7 +129,7 @@ class CronSchedule:
     def _repeated_between(self, moment: datetime, until: datetime) -> datetime | None:
         """The first matching minute in the second pass of a repeated local hour, after
         ``moment`` and before ``until``; None when there is none."""
-        hour = moment.astimezone(timezone.utc).replace(minute=0, second=0, microsecond=0)
+        hour = moment.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
         while hour < until:
             if hour.astimezone(self.tz).fold == 1:
                 for minute in sorted(self.minutes):
@@ -161,7 +161,7 @@ class CronSchedule:
                 candidate += timedelta(minutes=1)
                 continue
             aware = candidate.replace(tzinfo=self.tz)
-            result = aware.astimezone(timezone.utc)
+            result = aware.astimezone(UTC)
             if result > moment:
                 return result
             candidate += timedelta(minutes=1)  # a DST fold mapped it back in time
@@ -178,7 +178,7 @@ def parse_cron(expression: str, tz: str | None = None) -> CronSchedule:
             f"day-of-week) or be one of {', '.join(_SHORTHANDS)}; it has {len(parts)}"
         )
     try:
-        zone: tzinfo = ZoneInfo(tz) if tz else timezone.utc
+        zone: tzinfo = ZoneInfo(tz) if tz else UTC
     except (ZoneInfoNotFoundError, ValueError) as exc:
         raise ConfigurationError(f"unknown timezone {tz!r} for cron {expression!r}") from exc
     try:
@@ -200,7 +200,7 @@ def parse_cron(expression: str, tz: str | None = None) -> CronSchedule:
         hours_every=parts[1].startswith("*"),
     )
     try:
-        schedule.next_after(datetime(2000, 1, 1, tzinfo=timezone.utc))
+        schedule.next_after(datetime(2000, 1, 1, tzinfo=UTC))
     except ValueError as exc:
         raise ConfigurationError(str(exc)) from None
     return schedule

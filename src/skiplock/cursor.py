@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 Position = tuple[int, datetime, int]
 
@@ -40,7 +40,7 @@ def parse_payload(payload: str) -> Wakeup:
         seconds = float(epoch)
         if not math.isfinite(seconds):
             return Wakeup(queue)
-        return Wakeup(queue, int(priority), datetime.fromtimestamp(seconds, timezone.utc))
+        return Wakeup(queue, int(priority), datetime.fromtimestamp(seconds, UTC))
     except (ValueError, OverflowError, OSError):
         return Wakeup(queue)
 

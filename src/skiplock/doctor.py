@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -199,7 +199,7 @@ def check_history(conn: Conn, schema: str, limits: Limits) -> list[Finding]:
         {"history": f'"{schema}".job_history'},
     ).fetchall()
     names = {r[0] for r in rows}
-    tomorrow = datetime.now(timezone.utc).date() + timedelta(days=1)
+    tomorrow = datetime.now(UTC).date() + timedelta(days=1)
     found = []
     if history.partition_name(tomorrow) not in names:
         found.append(

@@ -16,7 +16,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -38,7 +38,7 @@ DEFAULT_POLICY = RetryPolicy()
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class JobTimeoutError(Exception):
@@ -168,7 +168,7 @@ async def run_leased(
             await asyncio.shield(started)
             try:
                 result = await asyncio.wait_for(asyncio.shield(future), task.options.timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning(
                     "job %s (%s) timed out; its thread cannot be stopped and is abandoned",
                     job.id,
@@ -178,7 +178,7 @@ async def run_leased(
                     on_abandoned(future)
                 raise
         return Outcome(job.id, job.attempts, result_json=encode_result(result))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         exc: BaseException = JobTimeoutError(f"{job.task} exceeded its timeout")
     except UnknownTaskError as unknown:
         log.error("job %s: %s", job.id, unknown)
@@ -269,7 +269,7 @@ async def run_transactional_async(
                     raise ArgumentsError(job.args_error)
                 async with conn.transaction():
                     result = await asyncio.wait_for(task.fn(conn, **job.args), task.options.timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 exc = JobTimeoutError(f"{job.task} exceeded its timeout")
             except Exception as failure:
                 exc = failure

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from datetime import date, datetime, timedelta, timezone
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -59,7 +59,7 @@ def plan(
     A partition is dropped once everything it can hold (up to the end of its day) is
     older than the retention.
     """
-    today = now.astimezone(timezone.utc).date()
+    today = now.astimezone(UTC).date()
     have = set(existing)
     create = [
         today + timedelta(days=n)
@@ -72,7 +72,7 @@ def plan(
         for name in existing:
             day = partition_day(name)
             if day is not None:
-                ends = datetime(day.year, day.month, day.day, tzinfo=timezone.utc)
+                ends = datetime(day.year, day.month, day.day, tzinfo=UTC)
                 if ends + timedelta(days=1) <= cutoff:
                     drop.append(name)
     return create, drop
@@ -103,7 +103,7 @@ def maintain(
     parent = sql.Identifier(schema, "job_history")
     for day in create:
         name = partition_name(day)
-        starts = datetime(day.year, day.month, day.day, tzinfo=timezone.utc)
+        starts = datetime(day.year, day.month, day.day, tzinfo=UTC)
         statement = sql.SQL(history.HISTORY_PARTITION_CREATE).format(
             partition=sql.Identifier(schema, name),
             history=parent,

@@ -9,7 +9,7 @@ from typing import Any
 from uuid import UUID
 
 
-class JobState(str, enum.Enum):
+class JobState(enum.StrEnum):
     """One vocabulary for SQL, Python, CLI and docs.
 
     ``blocked`` jobs wait for their key's turn (ordering and concurrency keys);

@@ -1069,7 +1069,7 @@ class Worker:
                     unfinished = {}
                 if not completer.backlog:
                     return
-            except (psycopg.OperationalError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, psycopg.OperationalError) as exc:
                 log.warning("final writes failed (%r); retrying", exc)
                 await asyncio.sleep(0.2)
         log.error(

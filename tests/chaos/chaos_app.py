@@ -19,7 +19,7 @@ import asyncio
 import os
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -158,7 +158,7 @@ _async_recorder = AsyncRecorder()
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def _sync_run(task: str, ms: int) -> dict[str, int]:

@@ -23,7 +23,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -57,7 +57,7 @@ def size_timeout(seconds_at_default: float, seconds_per_job: float = 0.03) -> fl
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 # -- the database ---------------------------------------------------------------------------

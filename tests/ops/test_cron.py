@@ -8,7 +8,7 @@ no minute on the schedule lies strictly between the two (by brute force over min
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from skiplock import ConfigurationError, SkiplockError
 from skiplock.cron import MAX_CATCH_UP, SKIP_GRACE, CronSchedule, due_ticks, parse_cron
 
-UTC = timezone.utc
 BERLIN = "Europe/Berlin"
 
 

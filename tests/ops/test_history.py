@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Iterator
-from datetime import date, datetime, time, timedelta, timezone
+from datetime import UTC, date, datetime, time, timedelta, timezone
 from typing import Any
 
 import psycopg
@@ -23,7 +23,6 @@ from skiplock.sql import history as history_sql
 
 from .conftest import Cli, Ops
 
-UTC = timezone.utc
 DAY = timedelta(days=1)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -24,7 +24,6 @@ from skiplock.periodic import enqueue_due
 
 from .conftest import Ops, StartWorker
 
-UTC = timezone.utc
 # Well in the past of the database's clock, so ticks are enqueued as available.
 FIRST_SEEN = datetime(2025, 6, 1, 12, 0, 30, tzinfo=UTC)
 EVERY_5_TICKS = [datetime(2025, 6, 1, 12, m, tzinfo=UTC) for m in (5, 10, 15, 20, 25, 30)]

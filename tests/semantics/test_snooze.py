@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -108,7 +108,7 @@ def test_a_snoozed_job_is_scheduled_until_its_time(
 def test_snooze_takes_seconds_a_timedelta_or_an_aware_datetime(
     sem: Sem, workers: StartWorkers
 ) -> None:
-    until = datetime.now(timezone.utc) + timedelta(hours=2)
+    until = datetime.now(UTC) + timedelta(hours=2)
     afters: dict[str, float | timedelta | datetime] = {
         "seconds": 3600.0,
         "timedelta": timedelta(hours=1),
