@@ -13,6 +13,7 @@ from skiplock.cron import MISSED_POLICIES, parse_cron
 from skiplock.errors import ConfigurationError, UnknownTaskError
 from skiplock.migrate import Migration, check_schema_ready, migrate
 from skiplock.periodic import Periodic
+from skiplock.results import JobRef, wait_for_result, wait_for_result_async
 from skiplock.tasks import MAX_TASK_NAME, JobSpec, Task, check_name, parse_task_options
 
 R = TypeVar("R")
@@ -136,13 +137,18 @@ class App:
     ) -> list[int]:
         return await client.insert_jobs_async(conn, self.schema, jobs)
 
+    def enqueue_spec(self, conn: psycopg.Connection[Any], spec: JobSpec) -> JobRef:
+        """Insert one validated job in ``conn``'s transaction (what ``Task.enqueue`` calls)."""
+        job_id, inserted = client.insert_job(conn, self.schema, spec)
+        return JobRef(job_id, self, duplicate=not inserted)
+
+    async def enqueue_spec_async(self, conn: psycopg.AsyncConnection[Any], spec: JobSpec) -> JobRef:
+        job_id, inserted = await client.insert_job_async(conn, self.schema, spec)
+        return JobRef(job_id, self, duplicate=not inserted)
+
     def result(self, job_id: int, timeout: float | None = None) -> Any:
         """Wait for a job's result (JobFailedError if it ends dead or cancelled)."""
-        from skiplock.results import wait_for_result  # noqa: PLC0415
-
         return wait_for_result(self, job_id, timeout)
 
     async def result_async(self, job_id: int, timeout: float | None = None) -> Any:
-        from skiplock.results import wait_for_result_async  # noqa: PLC0415
-
         return await wait_for_result_async(self, job_id, timeout)

@@ -1,6 +1,7 @@
 """Task definitions: options validated when the task is defined, arguments when enqueued.
 
-Everything here is pure; ``client`` does the writing.
+Everything here is pure: the App (through ``client``) does the writing, so this module
+imports neither of them (the layers in pyproject.toml).
 """
 
 from __future__ import annotations
@@ -589,18 +590,9 @@ class TaskCall(Generic[R]):
             key_rate=key_rate,
         )
 
+    # The App writes the job: tasks sit below client and app and never import them.
     def enqueue(self, conn: psycopg.Connection[Any], /, **args: Any) -> JobRef:
-        from skiplock import client  # noqa: PLC0415 - client imports tasks
-        from skiplock.results import JobRef  # noqa: PLC0415
-
-        app = self.task.app
-        job_id, inserted = client.insert_job(conn, app.schema, self.job(**args))
-        return JobRef(job_id, app, duplicate=not inserted)
+        return self.task.app.enqueue_spec(conn, self.job(**args))
 
     async def enqueue_async(self, conn: psycopg.AsyncConnection[Any], /, **args: Any) -> JobRef:
-        from skiplock import client  # noqa: PLC0415
-        from skiplock.results import JobRef  # noqa: PLC0415
-
-        app = self.task.app
-        job_id, inserted = await client.insert_job_async(conn, app.schema, self.job(**args))
-        return JobRef(job_id, app, duplicate=not inserted)
+        return await self.task.app.enqueue_spec_async(conn, self.job(**args))
