@@ -8,7 +8,13 @@ from typing import Any, TypeVar, overload
 import psycopg
 
 from skiplock import client
-from skiplock.config import DEFAULT_SCHEMA, SCHEMA_ENV, resolve_database_url, validate_schema
+from skiplock.config import (
+    DEFAULT_SCHEMA,
+    EMBEDDED,
+    SCHEMA_ENV,
+    resolve_database_url,
+    validate_schema,
+)
 from skiplock.cron import MISSED_POLICIES, parse_cron
 from skiplock.errors import ConfigurationError, UnknownTaskError
 from skiplock.migrate import Migration, check_schema_ready, migrate
@@ -22,15 +28,27 @@ R = TypeVar("R")
 class App:
     """Tasks plus where their jobs live.
 
-    ``database_url`` defaults to ``SKIPLOCK_DATABASE_URL``, else an embedded PostgreSQL
-    that is started on first use. Nothing connects until something needs the database.
+    ``database_url`` defaults to ``SKIPLOCK_DATABASE_URL``; with neither, using the database
+    raises ConfigurationError. ``embedded=True`` (or the URL value "embedded") starts a
+    throwaway local PostgreSQL instead (the ``embedded`` extra). Nothing connects, and
+    nothing is checked, until something needs the database: the CLI configures an App
+    after importing it.
     """
 
-    def __init__(self, database_url: str | None = None, *, schema: str | None = None) -> None:
+    def __init__(
+        self,
+        database_url: str | None = None,
+        *,
+        schema: str | None = None,
+        embedded: bool = False,
+    ) -> None:
         import os  # noqa: PLC0415
 
+        if embedded and database_url and database_url != EMBEDDED:
+            raise ConfigurationError("give App a database_url or embedded=True, not both")
         self.schema = validate_schema(schema or os.environ.get(SCHEMA_ENV) or DEFAULT_SCHEMA)
         self._database_url = database_url
+        self._embedded = embedded
         self.tasks: dict[str, Task[Any]] = {}
         self.periodics: dict[str, Periodic] = {}
 
@@ -38,13 +56,14 @@ class App:
         """Point an already-defined App elsewhere (the CLI's --database-url and --schema)."""
         if database_url:
             self._database_url = database_url
+            self._embedded = False
         if schema:
             self.schema = validate_schema(schema)
 
     @property
     def database_url(self) -> str:
-        if self._database_url is None:
-            self._database_url = resolve_database_url()
+        if self._database_url is None or self._database_url == EMBEDDED:
+            self._database_url = resolve_database_url(self._database_url, embedded=self._embedded)
         return self._database_url
 
     @overload

@@ -1,4 +1,5 @@
-"""Where the database is: an explicit URL, SKIPLOCK_DATABASE_URL, or the embedded server."""
+"""Where the database is: an explicit URL, else SKIPLOCK_DATABASE_URL; the embedded server
+only when asked for by name ("embedded"), never as a silent fallback."""
 
 from __future__ import annotations
 
@@ -14,14 +15,34 @@ DEFAULT_SCHEMA = "skiplock"
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,50}$")
 
 
-def resolve_database_url(explicit: str | None = None) -> str:
-    """The URL to use; starts the embedded server only when nothing is configured."""
-    if explicit:
-        return explicit
-    from_env = os.environ.get(DATABASE_URL_ENV)
-    if from_env:
-        return from_env
-    from skiplock.embedded import embedded_database_url  # noqa: PLC0415
+# The URL value that asks for the embedded server, wherever a URL is accepted.
+EMBEDDED = "embedded"
+
+NO_DATABASE = (
+    "no database configured: set SKIPLOCK_DATABASE_URL=postgresql://USER:PASSWORD@HOST/DBNAME "
+    "(or pass --database-url, or App(url)). For a throwaway local server, set "
+    "SKIPLOCK_DATABASE_URL=embedded (or use App(embedded=True)); it needs "
+    "pip install 'skiplock[embedded]'"
+)
+
+
+def resolve_database_url(
+    explicit: str | None = None, *, embedded: bool = False, fallback_embedded: bool = False
+) -> str:
+    """The URL to use: ``explicit``, else SKIPLOCK_DATABASE_URL. The embedded server is
+    started only when asked for: ``embedded``, the value "embedded" in either place, or
+    ``fallback_embedded`` (demo and bench) when nothing is configured. Otherwise a missing
+    URL is a ConfigurationError: production code must not run on a private server that
+    nobody else can see."""
+    wanted = embedded
+    if not wanted:
+        configured = explicit or os.environ.get(DATABASE_URL_ENV)
+        if configured and configured != EMBEDDED:
+            return configured
+        wanted = configured == EMBEDDED or fallback_embedded
+    if not wanted:
+        raise ConfigurationError(NO_DATABASE)
+    from skiplock.embedded import embedded_database_url  # noqa: PLC0415 - only when asked
 
     return embedded_database_url()
 

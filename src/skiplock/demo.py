@@ -31,7 +31,13 @@ import psycopg
 from psycopg import sql
 
 from skiplock.app import App
-from skiplock.config import DATABASE_URL_ENV, SCHEMA_ENV, resolve_database_url, validate_schema
+from skiplock.config import (
+    DATABASE_URL_ENV,
+    EMBEDDED,
+    SCHEMA_ENV,
+    resolve_database_url,
+    validate_schema,
+)
 from skiplock.context import current_job
 from skiplock.errors import SkiplockError
 from skiplock.retry import RetryPolicy
@@ -420,12 +426,12 @@ def _crash(url: str, schema: str) -> CrashResult:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(render(DEMO_CRASH_TABLES, schema).encode())
         [job_id] = app.enqueue_many(conn, [hold_lock.job(seconds=CRASH_HOLD_SECONDS)])
+        # The URL goes in the environment only: a command line is readable by every user
+        # of the machine, and the URL may hold a password.
         command = [
             sys.executable,
             "-m",
             "skiplock",
-            "--database-url",
-            url,
             "--schema",
             schema,
             "worker",
@@ -532,8 +538,9 @@ def _quiet_workers() -> Iterator[None]:
 def run(database_url: str | None, schema: str, prefetch: int = 0) -> dict[str, Any]:
     """Run both halves of the demo and return the report (what ``--json`` prints)."""
     validate_schema(schema)
-    embedded = not (database_url or os.environ.get(DATABASE_URL_ENV))
-    url = resolve_database_url(database_url)
+    # With nothing configured the demo runs on the embedded server: it is a try-out.
+    embedded = (database_url or os.environ.get(DATABASE_URL_ENV) or EMBEDDED) == EMBEDDED
+    url = resolve_database_url(database_url, fallback_embedded=True)
     version = _reset_schema(url, schema)
     with _quiet_workers():
         drain = asyncio.run(_drain(url, schema, prefetch))

