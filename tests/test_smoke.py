@@ -1,0 +1,213 @@
+"""``skiplock demo`` and every ``skiplock bench`` scenario, run as real subprocesses at a
+tiny size, so that neither can break unseen (the ceiling scenario once did).
+
+Each is given a URL carrying a password, through the environment only. The server ignores
+it (trust authentication), and a watcher reads /proc/PID/cmdline of every process they
+start while they run: the password must never appear on a command line, where any user of
+the machine can read it.
+
+Cost: about 15 s for the demo and 40 s for bench per server (the ``seed`` scenario runs
+the demo twice; the pressure phases are 1 s each).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from skiplock.cli import SCENARIOS
+
+PASSWORD = "secret-7f3a"
+
+
+def with_password(url: str) -> str:
+    """``url`` with a password the server will not check (trust auth)."""
+    params = {k: str(v) for k, v in conninfo_to_dict(url).items() if v is not None}
+    params["password"] = PASSWORD
+    return make_conninfo("", **params)
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every process now (from /proc/PID/stat)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+        found[int(entry.name)] = int(stat.rpartition(")")[2].split()[1])
+    return found
+
+
+class CommandLines:
+    """Every descendant of one process and its command line, sampled until stopped."""
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.seen: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            parents = _parents()
+            family = {self.root}
+            grew = True
+            while grew:
+                more = {pid for pid, ppid in parents.items() if ppid in family} - family
+                family |= more
+                grew = bool(more)
+            for pid in family - {self.root}:
+                try:
+                    raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+                except OSError:
+                    continue
+                if raw:  # empty while a child is between fork and exec
+                    self.seen[pid] = raw.replace(b"\0", b" ").decode("utf-8", "replace")
+            self._stop.wait(0.01)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def holding(self, text: str) -> list[str]:
+        return [line for line in self.seen.values() if text in line]
+
+
+@contextmanager
+def watched(command: list[str], url: str) -> Iterator[tuple[subprocess.Popen[str], CommandLines]]:
+    env = {k: v for k, v in os.environ.items() if k != "SKIPLOCK_SCHEMA"}
+    env["SKIPLOCK_DATABASE_URL"] = url
+    with subprocess.Popen(
+        [sys.executable, "-m", "skiplock", *command],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        lines = CommandLines(proc.pid)
+        lines.start()
+        try:
+            yield proc, lines
+        finally:
+            lines.stop()
+            if proc.poll() is None:
+                proc.kill()
+
+
+def run_watched(
+    command: list[str], url: str, timeout: float
+) -> tuple[dict[str, Any], CommandLines]:
+    with watched(command, url) as (proc, lines):
+        out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    return json.loads(out), lines
+
+
+def finite_positive(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
+
+
+@pytest.mark.timeout(180)
+def test_demo_json_holds_every_check_and_keeps_the_password_off_command_lines(
+    database_url: str,
+) -> None:
+    report, lines = run_watched(
+        ["demo", "--json", "--demo-schema", "smoke_demo"], with_password(database_url), 150
+    )
+
+    assert report["ok"] is True, report
+    assert all(report["checks"].values()), report["checks"]
+    assert report["server"]["embedded"] is False
+    assert (report["jobs"], report["completed"], report["dead"]) == (400, 399, 1)
+    assert [job["n"] for job in report["dead_jobs"]] == [7]
+    assert finite_positive(report["drain_seconds"])
+    assert report["crash_recovered"] is True
+    # The crash half ran a worker process of its own, and it was watched.
+    assert lines.holding("skiplock.demo:crash_app"), lines.seen
+    assert lines.holding(PASSWORD) == []
+
+
+# Figure names per scenario, as `bench --json` reports them.
+EXPECTED_FIGURES = {
+    "enqueue": ["enqueue (enqueue_many)"],
+    "drain": ["drain"],
+    "ceiling": ["ceiling (SQL only)"],
+    "latency": ["latency p50", "latency p95", "latency p99"],
+    "seed": ["seed (lesson's 400 jobs)", "seed, prefetch 1"],
+    "history": ["drain, 500 finished rows"],
+    "scheduled": ["drain, 500 scheduled rows"],
+    "unique": ["drain, unique jobs"],
+    "ordered": ["drain, ordered jobs"],
+    "keylimit": ["drain, keylimit jobs"],
+}
+PHASES = ["warm-up", "clean", "held", "recovery"]
+
+
+@pytest.mark.timeout(300)
+def test_every_bench_scenario_runs_at_a_tiny_size(database_url: str) -> None:
+    assert set(EXPECTED_FIGURES) | {"pressure"} == set(SCENARIOS)  # a new one is listed here
+    command = [
+        "bench",
+        "--json",
+        "--scenarios",
+        ",".join(SCENARIOS),
+        "--jobs",
+        "300",
+        "--runs",
+        "1",
+        "--processes",
+        "2",
+        "--concurrency",
+        "10",
+        "--history-rows",
+        "500",
+        "--rate",
+        "200",
+        "--phases",
+        "1,1,1,1",
+    ]
+
+    report, lines = run_watched(command, with_password(database_url), 270)
+
+    assert report["meta"]["jobs"] == 300
+    assert report["meta"]["processes"] == 2
+    figures = {figure["name"]: figure for figure in report["figures"]}
+    assert sorted(figures) == sorted(n for names in EXPECTED_FIGURES.values() for n in names)
+    for figure in figures.values():
+        assert figure["runs"] == [figure["median"]], figure
+        assert finite_positive(figure["median"]), figure
+    # Throughput figures are jobs/s; the drain took some time, so none is absurd.
+    for name in ("drain", "ceiling (SQL only)", "enqueue (enqueue_many)"):
+        assert figures[name]["unit"] == "jobs/s"
+    assert figures["ceiling (SQL only)"]["batch"] == 10  # the worker's batch at concurrency 10
+    assert 0 < figures["latency p50"]["median"] <= figures["latency p99"]["median"]
+    [pressure] = report["pressure"]
+    assert [row["phase"] for row in pressure] == PHASES
+    for row in pressure:
+        assert row["throughput"] > 0, row
+        assert row["latency_p50_ms"] is not None, row
+    # Worker processes, the ceiling's clients and the seed's demo all ran, and were watched.
+    assert lines.holding("skiplock.bench:app"), lines.seen
+    assert lines.holding("multiprocessing"), lines.seen
+    assert lines.holding(" demo "), lines.seen
+    assert lines.holding(PASSWORD) == []
