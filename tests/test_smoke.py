@@ -6,8 +6,9 @@ it (trust authentication), and a watcher reads /proc/PID/cmdline of every proces
 start while they run: the password must never appear on a command line, where any user of
 the machine can read it.
 
-Cost: about 15 s for the demo and 40 s for bench per server (the ``seed`` scenario runs
-the demo twice; the pressure phases are 1 s each).
+Cost per server, measured on 2 shared cores: the demo about 2 s, bench about 25-30 s (the
+``latency`` scenario's 200 probes 20 ms apart, four 1 s pressure phases, the ``seed``
+scenario's two demo runs, and a start of worker processes per drain).
 """
 
 from __future__ import annotations
