@@ -30,6 +30,7 @@ from psycopg import sql
 from skiplock.app import App
 from skiplock.completer import Outcome, outcome_writes
 from skiplock.config import DATABASE_URL_ENV, SCHEMA_ENV, done_channel, resolve_database_url
+from skiplock.cursor import ClaimCursor
 from skiplock.sql import claim, complete, render
 
 BENCH_SCHEMA = "skiplock_bench"
@@ -265,37 +266,47 @@ def worker_claim_batch(concurrency: int) -> int:
 
 
 def _ceiling_process(url: str, schema: str, batch: int, start: Any, result: Any) -> None:
-    """One client: the worker's claim, then its completer's flush of that batch, in a
-    loop, on a connection with the worker's session options."""
+    """One client: the worker's claim (resumed from its cursor, as the worker's is), then
+    its completer's flush of that batch, in a loop, on a connection with the worker's
+    session options. Ends when a claim from the start of the queue finds nothing."""
     worker_id = uuid.uuid4()
-    claim_sql = render(claim.JOB_CLAIM_BATCH, schema)
+    full_sql = render(claim.JOB_CLAIM_BATCH, schema)
+    resumed_sql = render(claim.JOB_CLAIM_BATCH_AFTER, schema)
     complete_sql = render(complete.JOB_COMPLETE_MANY_IF_LEASED, schema)
     durable_sql = render(complete.DURABLE_COMMIT_ON, schema)
     done_sql = render(complete.JOBS_DONE_NOTIFY, schema)
     channel = done_channel(schema)
+    cursor = ClaimCursor()
     done = 0
     with psycopg.connect(url, autocommit=True, options=claim.WORKER_SESSION_OPTIONS) as conn:
         start.wait()
         while True:
-            rows = conn.execute(
-                claim_sql,
-                {
-                    "queue": "default",
-                    "exclude_tasks": [],
-                    "limit": batch,
-                    "worker_id": worker_id,
-                    "lease_seconds": 30,
-                },
-            ).fetchall()
+            params: dict[str, Any] = {
+                "queue": "default",
+                "exclude_tasks": [],
+                "limit": batch,
+                "worker_id": worker_id,
+                "lease_seconds": 30,
+            }
+            after = cursor.start()
+            if after is not None:
+                params.update(after_priority=after[0], after_run_at=after[1], after_id=after[2])
+            rows = conn.execute(full_sql if after is None else resumed_sql, params).fetchall()
             if not rows:
-                break
+                if after is None:
+                    break
+                # Jobs another client held when this one passed them: sweep once more.
+                cursor.force_sweep()
+                continue
+            # Columns 4, 5 and 0 are priority, run_at and id: the claim order.
+            cursor.advance([(row[4], row[5], row[0]) for row in rows])
             # Column 6 is the attempt (the fencing token); a no-op handler returns None.
             outcomes = [Outcome(row[0], row[6], result_json=None) for row in rows]
             with conn.transaction():
                 conn.execute(durable_sql)
-                for group, params in outcome_writes(outcomes):
+                for group, written in outcome_writes(outcomes):
                     assert group == "completed", group
-                    conn.execute(complete_sql, {**params, "worker_id": worker_id})
+                    conn.execute(complete_sql, {**written, "worker_id": worker_id})
                 conn.execute(done_sql, {"channel": channel})
             done += len(rows)
     result.put(done)
