@@ -397,19 +397,3 @@ def test_worker_processes_keep_the_password_off_their_command_lines(
 
     assert len(lines.holding(WORKER_APP)) == 2, lines.seen
     assert lines.holding(PASSWORD) == []
-
-
-def test_worker_processes_without_a_database_are_refused_before_any_starts() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "SKIPLOCK_DATABASE_URL"}
-    result = subprocess.run(
-        [sys.executable, "-m", "skiplock", "worker", WORKER_APP, "--processes", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        timeout=60,
-        env=env,
-        check=False,
-    )
-
-    assert "no database configured" in refused(result)

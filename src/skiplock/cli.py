@@ -127,9 +127,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def _supervise(args: argparse.Namespace) -> int:
     """Run ``--processes`` single-process workers, forwarding stop signals and
     restarting any that die, so CPU-bound sync handlers use every core."""
-    # Fail here, once, on what every child would fail on (an app that does not import, no
-    # database configured) rather than restart children that cannot start, forever.
-    _ = _app_from_args(args).database_url
     command = [sys.executable, "-m", "skiplock"]
     if args.schema:
         command += ["--schema", args.schema]
