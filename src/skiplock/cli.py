@@ -455,6 +455,23 @@ def cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_grant(args: argparse.Namespace) -> int:
+    from skiplock import grants  # noqa: PLC0415
+
+    use = grants.Use(args.use)
+    if not args.apply:
+        # Printing needs no database: a DBA may review and run the statements by hand.
+        schema = args.schema or os.environ.get(SCHEMA_ENV) or DEFAULT_SCHEMA
+        for statement in grants.statements(schema, args.role, use):
+            print(f"{statement};")
+        return 0
+    app = App(args.database_url, schema=args.schema)
+    with app.connect(autocommit=True) as conn:
+        for statement in grants.apply(conn, app.schema, args.role, use):
+            print(f"{statement};")
+    return 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from skiplock import doctor  # noqa: PLC0415
 
@@ -656,6 +673,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retention-days", type=float, default=7.0)
     p.add_argument("--keep-forever", action="store_true", help="only create partitions")
     p.set_defaults(func=cmd_prune)
+
+    p = sub.add_parser(
+        "grant",
+        help="print (or --apply) the GRANT statements for a role that owns nothing",
+    )
+    p.add_argument("role", help="the login role to grant to")
+    use = p.add_mutually_exclusive_group(required=True)
+    for name, text in (
+        ("worker", "runs workers: claims, completes, leads, keeps history partitions"),
+        ("enqueue", "enqueues jobs and reads their state and results"),
+        ("admin", "operates: status, jobs retry/cancel/delete, queues, prune"),
+    ):
+        use.add_argument(f"--{name}", dest="use", action="store_const", const=name, help=text)
+    p.add_argument("--apply", action="store_true", help="run them (as the schema's owner)")
+    p.set_defaults(func=cmd_grant)
 
     p = sub.add_parser(
         "demo", help="run the seed lesson's scenario: 400 jobs, 4 workers, a SIGKILLed worker"

@@ -1,6 +1,8 @@
 """Keeping the history table's size bounded: partitions ahead, expired ones dropped.
 
 Runs on the elected leader (and from ``skiplock prune``). Each step commits on its own.
+Partitions are created and dropped through the schema owner's functions (0012), so the
+worker's role needs EXECUTE on them, not ownership (see skiplock.grants).
 """
 
 from __future__ import annotations
@@ -100,23 +102,16 @@ def maintain(
         now = row[0]
     assert now is not None
     create, drop = plan(existing, now, retention)
-    parent = sql.Identifier(schema, "job_history")
+    create_partition = render(history.HISTORY_PARTITION_CREATE, schema)
     for day in create:
         name = partition_name(day)
-        starts = datetime(day.year, day.month, day.day, tzinfo=UTC)
-        statement = sql.SQL(history.HISTORY_PARTITION_CREATE).format(
-            partition=sql.Identifier(schema, name),
-            history=parent,
-            starts=sql.Literal(starts),
-            ends=sql.Literal(starts + timedelta(days=1)),
-        )
-        if _ddl(conn, statement, name, report):
+        if _ddl(conn, create_partition, day, name, report):
             report.created.append(name)
+    drop_partition = render(history.HISTORY_PARTITION_DROP, schema)
     for name in drop:
-        statement = sql.SQL(history.HISTORY_PARTITION_DROP).format(
-            partition=sql.Identifier(schema, name)
-        )
-        if _ddl(conn, statement, name, report):
+        dropped_day = partition_day(name)
+        assert dropped_day is not None  # plan drops only partitions named for their day
+        if _ddl(conn, drop_partition, dropped_day, name, report):
             report.dropped.append(name)
     if retention is not None:
         prune = sql.SQL(history.HISTORY_PRUNE_DEFAULT_BATCH).format(
@@ -140,12 +135,12 @@ def maintain(
 
 
 def _ddl(
-    conn: psycopg.Connection[Any], statement: sql.Composed, name: str, report: HistoryReport
+    conn: psycopg.Connection[Any], statement: str, day: date, name: str, report: HistoryReport
 ) -> bool:
     try:
         with conn.transaction():
             conn.execute(history.HISTORY_LOCK_TIMEOUT, {"ms": DDL_LOCK_TIMEOUT_MS})
-            conn.execute(statement)
+            conn.execute(statement, {"day": day})
         return True
     except (psycopg.errors.LockNotAvailable, psycopg.errors.CheckViolation) as exc:
         # LockNotAvailable: a long transaction holds job_history; try again later.

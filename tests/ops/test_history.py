@@ -17,7 +17,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from skiplock import cli, history
+from roles import login_roles
+from skiplock import cli, grants, history
 from skiplock.history import HistoryReport, partition_day, partition_name, plan
 from skiplock.sql import history as history_sql
 
@@ -229,6 +230,61 @@ def test_partition_ddl_gives_up_while_another_session_holds_the_table(
 
     report = history.maintain(conn, ops.schema, retention=None, now=at(today(ops) + DAY))
     assert report == HistoryReport(created=names(ahead))
+
+
+# -- as a role that owns nothing ------------------------------------------------------
+
+
+@pytest.fixture
+def worker_conn(ops: Ops) -> Iterator[psycopg.Connection[Any]]:
+    """A connection as a login role with the worker's grants (``skiplock grant --worker``)
+    and nothing else; the role is dropped afterwards."""
+    with login_roles(ops.url) as roles:
+        role, url = roles.create("worker")
+        with ops.connect() as owner:
+            for statement in grants.statements(ops.schema, role, grants.Use.WORKER):
+                owner.execute(statement)
+        with psycopg.connect(url, autocommit=True) as connection:
+            yield connection
+
+
+def test_a_worker_role_that_owns_nothing_creates_and_drops_partitions(
+    ops: Ops, worker_conn: psycopg.Connection[Any]
+) -> None:
+    """Partition DDL needs the table's owner; maintenance calls the owner's functions."""
+    base = today(ops) + 100 * DAY
+    expired = ops.history(finished_at=at(today(ops)))
+
+    created = history.maintain(worker_conn, ops.schema, retention=None, now=at(base))
+    dropped = history.maintain(worker_conn, ops.schema, retention=timedelta(days=7), now=at(base))
+
+    assert created.created == names(*(base + n * DAY for n in range(4)))
+    assert dropped.dropped == names(*(today(ops) + n * DAY for n in range(4)))
+    assert (created.skipped, dropped.skipped) == ([], [])
+    assert partitions(ops) == names(*(base + n * DAY for n in range(4)))
+    assert ops.count("history", "id = ANY(%s)", (expired,)) == 0
+    owners = ops.rows(
+        "SELECT DISTINCT pg_get_userbyid(c.relowner) = current_user FROM pg_inherits i "
+        "JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = %s::regclass",
+        (f'"{ops.schema}".job_history',),
+    )
+    assert owners == [(True,)]  # the schema's owner, not the worker's role
+
+
+def test_a_worker_role_skips_a_locked_partition_as_the_owner_would(
+    ops: Ops, worker_conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(history, "DDL_LOCK_TIMEOUT_MS", "200")
+    ahead = today(ops) + 4 * DAY
+    with ops.connect(autocommit=False) as reader:
+        reader.execute(
+            sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(ops.table("job_history"))
+        )
+
+        report = history.maintain(worker_conn, ops.schema, retention=None, now=at(today(ops) + DAY))
+
+        assert report == HistoryReport(skipped=names(ahead))
+        reader.rollback()
 
 
 # -- skiplock prune --------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """History retention: daily partitions created ahead, dropped when expired; the DEFAULT
 partition (rows that arrived before their partition existed) pruned in batches.
 
-Partition DDL takes a strong lock on job_history. It runs with a short lock_timeout, so
-that waiting behind a long transaction can never make completions queue behind it;
-maintenance simply tries again next time.
+Partition DDL (through the owner's functions of 0012) takes a strong lock on job_history.
+It runs with a short lock_timeout, so that waiting behind a long transaction can never
+make completions queue behind it; maintenance simply tries again next time.
 """
 
 # Partitions of job_history. Their day is in their name (job_history_pYYYYMMDD, as
@@ -20,14 +20,15 @@ HISTORY_LOCK_TIMEOUT = """
 SELECT set_config('lock_timeout', %(ms)s, true)
 """
 
-# Identifiers and bounds are composed by the caller (DDL takes no parameters).
+# Partition DDL needs job_history's owner; these functions of the owner (0012) run it
+# for whoever was granted EXECUTE, so a worker role that owns nothing keeps history too.
+# The partition of a day is named and bounded by the function, never by the caller.
 HISTORY_PARTITION_CREATE = """
-CREATE TABLE IF NOT EXISTS {partition} PARTITION OF {history}
-FOR VALUES FROM ({starts}) TO ({ends})
+SELECT {schema}.history_partition_create(%(day)s::date)
 """
 
 HISTORY_PARTITION_DROP = """
-DROP TABLE IF EXISTS {partition}
+SELECT {schema}.history_partition_drop(%(day)s::date)
 """
 
 # The fallback for rows in the DEFAULT partition: a bounded batch per transaction, so a

@@ -1,0 +1,156 @@
+"""Least privilege: the GRANT statements for a role that runs workers, enqueues jobs, or
+operates the queue (``skiplock grant ROLE --worker|--enqueue|--admin [--apply]``).
+
+The schema's owner (the role that runs ``skiplock migrate``) owns every table; the roles
+here own nothing. The only step that needs ownership, creating and dropping history
+partitions, goes through two SECURITY DEFINER functions of the owner (migration 0012),
+which are granted to the worker and the operator only.
+
+Each table of the schema has an entry here for every use, so a migration that adds a
+table must decide who may touch it (a test compares this map with the catalog).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from skiplock.config import validate_schema
+from skiplock.errors import SkiplockError
+from skiplock.migrate import check_schema_ready
+from skiplock.sql import grants
+
+
+class Use(StrEnum):
+    WORKER = "worker"
+    ENQUEUE = "enqueue"
+    ADMIN = "admin"
+
+
+_ALL = ("SELECT", "INSERT", "UPDATE", "DELETE")
+
+# What each use does to each table, and no more. TRUNCATE, REFERENCES and TRIGGER are
+# never granted; schema_migrations is written by the owner alone.
+TABLES: dict[str, dict[Use, tuple[str, ...]]] = {
+    # Enqueue inserts and reads its jobs (a unique enqueue looks the holder up); the
+    # worker claims, completes and rescues; the operator retries, cancels and deletes.
+    "jobs": {Use.WORKER: _ALL, Use.ENQUEUE: ("SELECT", "INSERT"), Use.ADMIN: _ALL},
+    # Completions and cancellations insert; results are read from here.
+    "job_history": {
+        Use.WORKER: ("SELECT", "INSERT"),
+        Use.ENQUEUE: ("SELECT",),
+        Use.ADMIN: ("SELECT", "INSERT"),
+    },
+    # Pruned directly (rows that arrived before their day's partition existed).
+    "job_history_default": {
+        Use.WORKER: ("SELECT", "DELETE"),
+        Use.ENQUEUE: (),
+        Use.ADMIN: ("SELECT", "DELETE"),
+    },
+    "workers": {Use.WORKER: _ALL, Use.ENQUEUE: (), Use.ADMIN: ("SELECT", "DELETE")},
+    "leader": {Use.WORKER: _ALL, Use.ENQUEUE: (), Use.ADMIN: ("SELECT",)},
+    # The operator pauses and limits queues; a limited queue's claim updates its window.
+    "queues": {Use.WORKER: ("SELECT", "UPDATE"), Use.ENQUEUE: (), Use.ADMIN: _ALL},
+    "periodic": {
+        Use.WORKER: ("SELECT", "INSERT", "UPDATE"),
+        Use.ENQUEUE: (),
+        Use.ADMIN: ("SELECT",),
+    },
+    # A windowed unique enqueue takes, re-takes and gives back its key; maintenance
+    # deletes expired windows (worker and `skiplock prune`).
+    "unique_windows": {Use.WORKER: _ALL, Use.ENQUEUE: _ALL, Use.ADMIN: _ALL},
+    "key_rates": {Use.WORKER: _ALL, Use.ENQUEUE: (), Use.ADMIN: ("SELECT", "DELETE")},
+    # Every use checks that the schema is at the version it expects.
+    "schema_migrations": {
+        Use.WORKER: ("SELECT",),
+        Use.ENQUEUE: ("SELECT",),
+        Use.ADMIN: ("SELECT",),
+    },
+}
+
+# Functions that are called (trigger functions are not: a trigger runs its function
+# without checking EXECUTE). Keyed by name, with the identity arguments.
+FUNCTIONS: dict[str, tuple[str, frozenset[Use]]] = {
+    "history_partition_create": ("day date", frozenset({Use.WORKER, Use.ADMIN})),
+    "history_partition_drop": ("day date", frozenset({Use.WORKER, Use.ADMIN})),
+}
+
+
+def statements(schema: str, role: str, use: Use) -> list[str]:
+    """The GRANT statements for ``role`` to act as ``use`` on ``schema``, in order; pure."""
+    validate_schema(schema)
+    ident = sql.Identifier(schema)
+    grantee = sql.Identifier(role)
+    composed: list[sql.Composable] = [
+        sql.SQL(grants.GRANT_SCHEMA_USAGE.strip()).format(schema=ident, role=grantee)
+    ]
+    for table, uses in TABLES.items():
+        if uses[use]:
+            composed.append(
+                sql.SQL(grants.GRANT_TABLE.strip()).format(
+                    privileges=sql.SQL(", ").join(sql.SQL(p) for p in uses[use]),
+                    table=sql.Identifier(schema, table),
+                    role=grantee,
+                )
+            )
+    composed.append(sql.SQL(grants.GRANT_SEQUENCES.strip()).format(schema=ident, role=grantee))
+    for name, (arguments, allowed) in FUNCTIONS.items():
+        if use in allowed:
+            composed.append(
+                sql.SQL(grants.GRANT_FUNCTION.strip()).format(
+                    function=sql.Composed(
+                        [sql.Identifier(schema, name), sql.SQL(f"({arguments})")]
+                    ),
+                    role=grantee,
+                )
+            )
+    return [statement.as_string(None) for statement in composed]
+
+
+class GrantError(SkiplockError):
+    """The connected role may not grant what a use needs; nothing was granted."""
+
+
+def apply(conn: psycopg.Connection[Any], schema: str, role: str, use: Use) -> list[str]:
+    """Run the statements in one transaction (all or none) and return them. ``conn`` must
+    be the schema's owner's (or hold the privileges WITH GRANT OPTION)."""
+    applied = statements(schema, role, use)
+    try:
+        check_schema_ready(conn, schema)
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise GrantError(_refused(str(exc).strip(), schema)) from None
+    # A GRANT by a role that holds a privilege without its grant option only warns; a
+    # role left with part of what it needs would fail later, far from here.
+    partial: list[str] = []
+
+    def collect(notice: psycopg.errors.Diagnostic) -> None:
+        if notice.sqlstate == _WARNING_PRIVILEGE_NOT_GRANTED:
+            partial.append(notice.message_primary or "")
+
+    conn.add_notice_handler(collect)
+    try:
+        with conn.transaction():
+            for statement in applied:
+                try:
+                    conn.execute(statement)
+                except psycopg.errors.InsufficientPrivilege as exc:
+                    raise GrantError(_refused(str(exc).strip(), schema)) from None
+                if partial:
+                    raise GrantError(_refused(partial[0], schema))
+    finally:
+        conn.remove_notice_handler(collect)
+    return applied
+
+
+# SQLSTATE 01007: "no privileges were granted" / "not all privileges were granted".
+_WARNING_PRIVILEGE_NOT_GRANTED = "01007"
+
+
+def _refused(reason: str, schema: str) -> str:
+    return (
+        f"{reason}; run `skiplock grant --apply` as the owner of schema {schema!r} "
+        "(the role that runs `skiplock migrate`); nothing was granted"
+    )
