@@ -7,6 +7,7 @@ Each test works in its own schema (``mig_<random>``), dropped afterwards.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,8 +16,10 @@ import pytest
 from psycopg import sql
 
 import skiplock
-from conftest import StartWorker, wait_until
-from skiplock import client
+from conftest import JobFactory, StartWorker, WorkerThread, wait_until
+from roles import login_roles, url_as
+from skiplock import client, grants
+from skiplock import migrate as skiplock_migrate
 from skiplock.migrate import Migration, available_migrations, head_version
 
 VERSIONS = [m.version for m in available_migrations()]
@@ -262,19 +265,321 @@ def test_concurrent_migrations_both_succeed_and_apply_each_version_once(
     assert ledger(database_url, scratch_schema) == VERSIONS
 
 
-def test_a_failing_migration_leaves_the_schema_as_it_was(
-    database_url: str, scratch_schema: str, monkeypatch: pytest.MonkeyPatch
+def test_a_failing_migration_leaves_the_schema_as_the_one_before_left_it(
+    database_url: str, scratch_schemas: Callable[[], str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    app = skiplock.App(database_url, schema=scratch_schema)
+    """Each migration commits on its own (so none holds its locks while the next waits
+    for others): a failing one rolls back alone, and the ones before it stay applied."""
+    schema, reference = scratch_schemas(), scratch_schemas()
+    app = skiplock.App(database_url, schema=schema)
     app.migrate(target=1)
-    before = catalog_dump(database_url, scratch_schema)
+    skiplock.App(database_url, schema=reference).migrate()
     broken = Migration(
         head_version() + 1, "broken", "CREATE TABLE half_done (x int);\nSELECT 1 / 0;\n"
     )
-    shipped = available_migrations()
-    monkeypatch.setattr("skiplock.migrate.available_migrations", lambda: [*shipped, broken])
+    ship(monkeypatch, broken)
 
     with pytest.raises(psycopg.errors.DivisionByZero):
         app.migrate()
 
+    assert catalog_dump(database_url, schema) == catalog_dump(database_url, reference)
+
+
+# -- migrations while workers run ----------------------------------------------------------
+
+
+def extra(sql_text: str, name: str = "extra", offset: int = 1) -> Migration:
+    """A migration after the shipped ones (as the next release would bring)."""
+    return Migration(head_version() + offset, name, sql_text)
+
+
+def ship(monkeypatch: pytest.MonkeyPatch, *more: Migration) -> None:
+    shipped = available_migrations()
+    monkeypatch.setattr("skiplock.migrate.available_migrations", lambda: [*shipped, *more])
+
+
+def index_state(url: str, schema: str, index: str) -> tuple[bool, bool] | None:
+    """(valid, ready) of an index, None when there is none of that name."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT indisvalid, indisready FROM pg_index WHERE indexrelid = to_regclass(%s)",
+            (f'"{schema}".{index}',),
+        ).fetchone()
+    return None if row is None else (bool(row[0]), bool(row[1]))
+
+
+def test_a_migration_gives_up_on_a_held_lock_names_itself_and_applies_nothing(
+    database_url: str, scratch_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    skiplock.App(database_url, schema=scratch_schema).migrate()
+    before = catalog_dump(database_url, scratch_schema)
+    note = extra("ALTER TABLE jobs ADD COLUMN extra_note text;\n", "note")
+    ship(monkeypatch, note)
+    waits: list[float] = []
+
+    with psycopg.connect(database_url) as holder:
+        # A reader's open transaction: its ACCESS SHARE lock blocks ALTER TABLE.
+        holder.execute(
+            sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(scratch_schema, "jobs"))
+        )
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            with pytest.raises(skiplock_migrate.MigrationLockTimeoutError) as caught:
+                skiplock_migrate.migrate(
+                    conn, scratch_schema, lock_timeout=0.05, attempts=3, sleep=waits.append
+                )
+            # The migrator's session is left as it was found.
+            settings = conn.execute(
+                "SELECT current_setting('lock_timeout'), current_setting('search_path')"
+            ).fetchone()
+        holder.rollback()
+
+    message = str(caught.value)
+    assert note.label in message
+    assert "lock_timeout" in message and "again" in message
+    assert len(waits) == 2  # three attempts, with a back-off between them
+    assert settings == ("0", '"$user", public')
     assert catalog_dump(database_url, scratch_schema) == before
+
+
+def test_a_migration_retries_after_a_lock_timeout_and_then_applies(
+    database_url: str, scratch_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    skiplock.App(database_url, schema=scratch_schema).migrate()
+    note = extra("ALTER TABLE jobs ADD COLUMN extra_note text;\n", "note")
+    ship(monkeypatch, note)
+    holder = psycopg.connect(database_url)
+    holder.execute(
+        sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(scratch_schema, "jobs"))
+    )
+
+    def release(_: float) -> None:  # the long transaction ends during the back-off
+        holder.rollback()
+
+    try:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            applied = skiplock_migrate.migrate(
+                conn, scratch_schema, lock_timeout=0.05, attempts=3, sleep=release
+            )
+    finally:
+        holder.close()
+
+    assert [m.name for m in applied] == ["note"]
+    assert ledger(database_url, scratch_schema)[-1] == note.version
+
+
+def test_the_lock_timeout_comes_from_the_environment_and_is_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(skiplock_migrate.LOCK_TIMEOUT_ENV, raising=False)
+    assert skiplock_migrate.lock_timeout_seconds() == skiplock_migrate.DEFAULT_LOCK_TIMEOUT
+    monkeypatch.setenv(skiplock_migrate.LOCK_TIMEOUT_ENV, "2.5")
+    assert skiplock_migrate.lock_timeout_seconds() == 2.5
+    assert skiplock_migrate.lock_timeout_seconds(0.2) == 0.2
+    monkeypatch.setenv(skiplock_migrate.LOCK_TIMEOUT_ENV, "soon")
+    with pytest.raises(skiplock.ConfigurationError, match="SKIPLOCK_MIGRATE_LOCK_TIMEOUT"):
+        skiplock_migrate.lock_timeout_seconds()
+
+
+def test_no_transaction_migrations_are_split_into_checked_statements() -> None:
+    migration = extra(
+        "-- skiplock: no-transaction\n"
+        "-- Build it without blocking writes.\n"
+        "CREATE INDEX CONCURRENTLY IF NOT EXISTS jobs_by_task\n"
+        "    ON jobs (task);  -- the task filter\n"
+        "\n"
+        "DROP INDEX CONCURRENTLY IF EXISTS jobs_old;\n"
+    )
+
+    assert not migration.transactional
+    assert extra("CREATE INDEX x ON jobs (task);").transactional
+    assert skiplock_migrate.no_transaction_statements(migration) == [
+        "CREATE INDEX CONCURRENTLY IF NOT EXISTS jobs_by_task\n    ON jobs (task)",
+        "DROP INDEX CONCURRENTLY IF EXISTS jobs_old",
+    ]
+    for bad, why in (
+        ("CREATE INDEX CONCURRENTLY jobs_by_task ON jobs (task);", "IF NOT EXISTS"),
+        ("CREATE FUNCTION f() RETURNS int LANGUAGE sql AS $$ SELECT 1 $$;", "dollar"),
+        ("CREATE INDEX CONCURRENTLY IF NOT EXISTS i ON jobs (task)", "end with ';'"),
+    ):
+        with pytest.raises(skiplock.ConfigurationError, match=why):
+            skiplock_migrate.no_transaction_statements(
+                extra(f"-- skiplock: no-transaction\n{bad}\n")
+            )
+
+
+def test_shipped_no_transaction_migrations_are_well_formed() -> None:
+    for migration in available_migrations():
+        if not migration.transactional:
+            assert skiplock_migrate.no_transaction_statements(migration)
+
+
+def test_a_no_transaction_migration_builds_its_index_concurrently(
+    database_url: str, scratch_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = skiplock.App(database_url, schema=scratch_schema)
+    app.migrate()
+    ship(
+        monkeypatch,
+        extra(
+            "-- skiplock: no-transaction\n"
+            "CREATE INDEX CONCURRENTLY IF NOT EXISTS jobs_by_task ON jobs (task);\n",
+            "by_task",
+        ),
+    )
+
+    assert [m.name for m in app.migrate()] == ["by_task"]
+    assert index_state(database_url, scratch_schema, "jobs_by_task") == (True, True)
+    assert app.migrate() == []
+
+
+def test_an_index_left_invalid_by_an_interrupted_build_is_built_again(
+    database_url: str, scratch_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A concurrent build that fails leaves an INVALID index; IF NOT EXISTS alone would
+    keep it for good, so the next run drops it and builds it again."""
+    app = skiplock.App(database_url, schema=scratch_schema)
+    app.migrate()
+    ship(
+        monkeypatch,
+        extra(
+            "-- skiplock: no-transaction\n"
+            "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS jobs_one_per_task ON jobs (task);\n",
+            "one_per_task",
+        ),
+    )
+    make_job = JobFactory(database_url, scratch_schema)
+    duplicates = [make_job(task="same"), make_job(task="same")]
+
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        app.migrate()
+    assert index_state(database_url, scratch_schema, "jobs_one_per_task") == (False, False)
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("DELETE FROM {} WHERE id = %s").format(sql.Identifier(scratch_schema, "jobs")),
+            (duplicates[1],),
+        )
+    assert [m.name for m in app.migrate()] == ["one_per_task"]
+
+    assert index_state(database_url, scratch_schema, "jobs_one_per_task") == (True, True)
+
+
+# The last version released before the migrations that issue 10 brings; the test below
+# applies every migration since, as an upgrade would while its workers keep draining.
+LAST_RELEASED_VERSION = 10
+MILLION = 1_000_000
+
+
+@pytest.mark.timeout(600)
+def test_the_newest_migrations_apply_to_a_million_jobs_while_a_worker_drains(
+    database_url: str,
+    scratch_schema: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No claim, completion or enqueue is blocked by the migration for more than a second:
+    the worker's role and the enqueuer run with lock_timeout 1s, so any wait longer than
+    that fails their statement, which the worker logs ("lock timeout") and the enqueuer
+    records. The newest migrations, plus a concurrent index build over the million rows
+    (the kind of step a next release brings; built in a transaction, it takes seconds
+    here and blocks every write meanwhile), apply meanwhile."""
+    app = skiplock.App(database_url, schema=scratch_schema)
+    app.migrate(target=LAST_RELEASED_VERSION)
+    shipped = available_migrations()
+    next_release = extra(
+        "-- skiplock: no-transaction\n"
+        "CREATE INDEX CONCURRENTLY IF NOT EXISTS jobs_by_digest ON jobs (md5(args::text));\n",
+        "by_digest",
+    )
+    jobs = sql.Identifier(scratch_schema, "jobs")
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        # A backlog in a queue this worker does not serve: every lock on jobs and every
+        # index build sees the million rows.
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {} (queue, task, args) "
+                "SELECT 'backlog', 'later', jsonb_build_object('n', n) "
+                "FROM generate_series(1, %s) AS n"
+            ).format(jobs),
+            (MILLION,),
+        )
+        conn.execute(sql.SQL("VACUUM (ANALYZE) {}").format(jobs))
+
+    with login_roles(database_url) as roles:
+        role, worker_url = roles.create("worker", ("lock_timeout", "1s"))
+        with psycopg.connect(database_url, autocommit=True) as owner:
+            for statement in grants.statements(scratch_schema, role, grants.Use.WORKER):
+                if "FUNCTION" not in statement:  # the history functions come with 0012
+                    owner.execute(statement)
+        enqueue_url = url_as(database_url, role)
+        worker_app = skiplock.App(worker_url, schema=scratch_schema)
+
+        @worker_app.task(name="drain")
+        def drain(n: int) -> int:
+            return n
+
+        enqueued: list[int] = []
+        refused: list[BaseException] = []
+        migrated = threading.Event()
+
+        def feed() -> None:
+            """Enqueue a job every few milliseconds until the migration is done."""
+            with psycopg.connect(enqueue_url, autocommit=True) as conn:
+                n = 0
+                while not migrated.is_set() or n < 50:
+                    try:
+                        enqueued.append(int(drain.enqueue(conn, n=n)))
+                    except psycopg.Error as exc:
+                        refused.append(exc)
+                    n += 1
+                    time.sleep(0.005)
+
+        handle = WorkerThread(
+            skiplock.Worker(worker_app, poll_interval=0.05, rescue_interval=0.05, concurrency=4)
+        )
+        feeder = threading.Thread(target=feed, name="feeder", daemon=True)
+        # The worker starts as one of the release before would, seeing the schema at its
+        # head; this code stands in for it (claims and completions touch the same tables).
+        monkeypatch.setattr(
+            "skiplock.migrate.available_migrations",
+            lambda: [m for m in shipped if m.version <= LAST_RELEASED_VERSION],
+        )
+        handle.start()
+        monkeypatch.setattr(
+            "skiplock.migrate.available_migrations", lambda: [*shipped, next_release]
+        )
+        try:
+            feeder.start()
+            wait_until(lambda: len(enqueued) >= 20, 30, "the feeder to start")
+            applied = app.migrate()
+            migrated.set()
+            feeder.join(60)
+            assert not feeder.is_alive()
+            with psycopg.connect(database_url, autocommit=True) as conn:
+
+                def done() -> int:
+                    row = conn.execute(
+                        sql.SQL("SELECT count(*) FROM {} WHERE id = ANY(%s)").format(
+                            sql.Identifier(scratch_schema, "job_history")
+                        ),
+                        (enqueued,),
+                    ).fetchone()
+                    assert row is not None
+                    return int(row[0])
+
+                wait_until(lambda: done() == len(enqueued), 60, "every fed job to complete")
+        finally:
+            migrated.set()
+            handle.stop()
+
+    assert [m.version for m in applied] == [
+        *(v for v in VERSIONS if v > LAST_RELEASED_VERSION),
+        next_release.version,
+    ]
+    assert index_state(database_url, scratch_schema, "jobs_by_digest") == (True, True)
+    assert refused == []
+    blocked = [
+        r.getMessage()
+        for r in caplog.records
+        if "lock timeout" in r.getMessage() and r.name != "skiplock.history"
+    ]
+    assert blocked == []
