@@ -138,6 +138,12 @@ def test_a_worker_an_enqueuer_and_an_admin_each_as_a_role_that_owns_nothing(
     with psycopg.connect(database_url, autocommit=True) as owner:
         owner.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(schema, tomorrow)))
 
+    # The admin limits the queue first, so the worker's claims keep its rate window.
+    code, out, err = run_cli(
+        capsys, admin_url, schema, "queues", "limit", "default", "--rate", "1000/s"
+    )
+    assert (code, err) == (0, ""), err
+
     # The enqueuing app: enqueues, reads its jobs, and may not delete or run them.
     enqueuer = skiplock.App(enqueue_url, schema=schema)
 
@@ -153,6 +159,14 @@ def test_a_worker_an_enqueuer_and_an_admin_each_as_a_role_that_owns_nothing(
     with enqueuer.connect() as conn:
         ids = [int(double_remote.enqueue(conn, n=n)) for n in range(20)]
         ids += enqueuer.enqueue_many(conn, [double_remote.job(n=n) for n in range(20, 30)])
+        ids += [
+            int(double_remote.with_options(ordering_key="in-order").enqueue(conn, n=n))
+            for n in range(30, 33)
+        ]
+        ids += [
+            int(double_remote.with_options(rate_key="rated", rate_limit="100/s").enqueue(conn, n=n))
+            for n in range(33, 35)
+        ]
         ids.append(int(double_remote.with_options(unique_key="once").enqueue(conn, n=99)))
         doomed = int(fails_remote.enqueue(conn))
     with psycopg.connect(enqueue_url, autocommit=True) as conn:
@@ -184,6 +198,10 @@ def test_a_worker_an_enqueuer_and_an_admin_each_as_a_role_that_owns_nothing(
     def fails() -> None:
         raise ValueError("for the admin to retry")
 
+    @worker_app.periodic("* * * * *", missed="latest", name="tick")
+    def tick() -> None:
+        pass
+
     handle = WorkerThread(
         skiplock.Worker(worker_app, poll_interval=0.05, rescue_interval=0.05, concurrency=4)
     ).start()
@@ -201,6 +219,18 @@ def test_a_worker_an_enqueuer_and_an_admin_each_as_a_role_that_owns_nothing(
                 return int(row[0])
 
             wait_until(lambda: finished() == len(ids), 30, "the worker role to drain the jobs")
+            wait_until(
+                lambda: (
+                    conn.execute(
+                        sql.SQL("SELECT count(*) FROM {}").format(
+                            sql.Identifier(schema, "periodic")
+                        )
+                    ).fetchone()
+                    == (1,)
+                ),
+                30,
+                "the worker role's leader to record the periodic task",
+            )
             wait_until(
                 lambda: tomorrow in partitions(database_url, schema),
                 30,
@@ -228,12 +258,16 @@ def test_a_worker_an_enqueuer_and_an_admin_each_as_a_role_that_owns_nothing(
     finally:
         handle.stop()
 
+    def said(record: logging.LogRecord) -> str:
+        raised = record.exc_info[1] if record.exc_info else None
+        return f"{record.getMessage()} {raised or ''}"
+
     problems = [
-        r.getMessage()
+        said(r)
         for r in caplog.records
         if r.levelno >= logging.WARNING
         and r.name.startswith("skiplock")
-        and ("permission" in r.getMessage() or "must be owner" in r.getMessage())
+        and ("permission denied" in said(r) or "must be owner" in said(r))
     ]
     assert problems == []
     with psycopg.connect(database_url, autocommit=True) as conn:
