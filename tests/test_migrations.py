@@ -18,7 +18,7 @@ from psycopg import sql
 import skiplock
 from conftest import JobFactory, StartWorker, WorkerThread, wait_until
 from roles import login_roles, url_as
-from skiplock import client, grants
+from skiplock import cli, client, grants
 from skiplock import migrate as skiplock_migrate
 from skiplock.migrate import Migration, available_migrations, head_version
 
@@ -583,3 +583,30 @@ def test_the_newest_migrations_apply_to_a_million_jobs_while_a_worker_drains(
         if "lock timeout" in r.getMessage() and r.name != "skiplock.history"
     ]
     assert blocked == []
+
+
+def test_printed_sql_of_a_no_transaction_migration_sets_the_search_path_for_the_session(
+    database_url: str,
+    scratch_schema: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`migrate --sql` is for running by hand: SET LOCAL outside a transaction would leave
+    the statements to run in whatever schema comes first."""
+    skiplock.App(database_url, schema=scratch_schema).migrate()
+    by_task = extra(
+        "-- skiplock: no-transaction\n"
+        "CREATE INDEX CONCURRENTLY IF NOT EXISTS jobs_by_task ON jobs (task);\n",
+        "by_task",
+    )
+    ship(monkeypatch, by_task)
+    capsys.readouterr()
+
+    code = cli.main(
+        ["--database-url", database_url, "--schema", scratch_schema, "migrate", "--sql"]
+    )
+
+    assert code == 0
+    assert capsys.readouterr().out.startswith(
+        f"-- {by_task.label}\nSET search_path TO {scratch_schema};\n-- skiplock: no-transaction\n"
+    )

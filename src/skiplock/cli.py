@@ -63,7 +63,10 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             return 0
         if args.sql:
             for m in pending:
-                print(f"-- {m.version:04d}_{m.name}\nSET LOCAL search_path TO {app.schema};")
+                # A no-transaction migration runs outside a transaction: SET LOCAL would
+                # not last past its statement.
+                scope = "SET LOCAL" if m.transactional else "SET"
+                print(f"-- {m.label}\n{scope} search_path TO {app.schema};")
                 print(m.sql)
             return 0
         applied = migrate(conn, app.schema, target=args.target)
