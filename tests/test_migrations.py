@@ -533,6 +533,16 @@ def test_the_newest_migrations_apply_to_a_million_jobs_while_a_worker_drains(
                     n += 1
                     time.sleep(0.005)
 
+        def finished() -> int:
+            with psycopg.connect(database_url, autocommit=True) as conn:
+                row = conn.execute(
+                    sql.SQL("SELECT count(*) FROM {}").format(
+                        sql.Identifier(scratch_schema, "job_history")
+                    )
+                ).fetchone()
+            assert row is not None
+            return int(row[0])
+
         handle = WorkerThread(
             skiplock.Worker(worker_app, poll_interval=0.05, rescue_interval=0.05, concurrency=4)
         )
@@ -550,8 +560,13 @@ def test_the_newest_migrations_apply_to_a_million_jobs_while_a_worker_drains(
         try:
             feeder.start()
             wait_until(lambda: len(enqueued) >= 20, 30, "the feeder to start")
+            finished_before, enqueued_before = finished(), len(enqueued)
             applied = app.migrate()
+            finished_during, enqueued_during = finished(), len(enqueued)
             migrated.set()
+            # The migration overlapped real work: jobs were enqueued and finished meanwhile.
+            assert enqueued_during > enqueued_before
+            assert finished_during > finished_before
             feeder.join(60)
             assert not feeder.is_alive()
             with psycopg.connect(database_url, autocommit=True) as conn:
