@@ -50,10 +50,15 @@ TABLES: dict[str, dict[Use, tuple[str, ...]]] = {
         Use.ENQUEUE: (),
         Use.ADMIN: ("SELECT", "DELETE"),
     },
-    "workers": {Use.WORKER: _ALL, Use.ENQUEUE: (), Use.ADMIN: ("SELECT", "DELETE")},
+    "workers": {Use.WORKER: _ALL, Use.ENQUEUE: (), Use.ADMIN: ("SELECT",)},
     "leader": {Use.WORKER: _ALL, Use.ENQUEUE: (), Use.ADMIN: ("SELECT",)},
-    # The operator pauses and limits queues; a limited queue's claim updates its window.
-    "queues": {Use.WORKER: ("SELECT", "UPDATE"), Use.ENQUEUE: (), Use.ADMIN: _ALL},
+    # The operator pauses and limits queues (an upsert); a limited queue's claim updates
+    # its rate window.
+    "queues": {
+        Use.WORKER: ("SELECT", "UPDATE"),
+        Use.ENQUEUE: (),
+        Use.ADMIN: ("SELECT", "INSERT", "UPDATE"),
+    },
     "periodic": {
         Use.WORKER: ("SELECT", "INSERT", "UPDATE"),
         Use.ENQUEUE: (),
@@ -61,7 +66,7 @@ TABLES: dict[str, dict[Use, tuple[str, ...]]] = {
     },
     # A windowed unique enqueue takes, re-takes and gives back its key; maintenance
     # deletes expired windows (worker and `skiplock prune`).
-    "unique_windows": {Use.WORKER: _ALL, Use.ENQUEUE: _ALL, Use.ADMIN: _ALL},
+    "unique_windows": {Use.WORKER: _ALL, Use.ENQUEUE: _ALL, Use.ADMIN: ("SELECT", "DELETE")},
     "key_rates": {Use.WORKER: _ALL, Use.ENQUEUE: (), Use.ADMIN: ("SELECT", "DELETE")},
     # Every use checks that the schema is at the version it expects.
     "schema_migrations": {
