@@ -334,6 +334,17 @@ def test_applying_grants_with_privileges_but_no_grant_option_grants_nothing(
     assert row == (False,)
 
 
+def test_applying_grants_to_a_role_that_does_not_exist_says_so(
+    database_url: str, schema: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _out, err = run_cli(
+        capsys, database_url, schema, "grant", "skiplock_test_nobody", "--admin", "--apply"
+    )
+
+    assert code == 2
+    assert "does not exist" in err and "nothing was granted" in err
+
+
 def test_history_functions_are_not_for_everyone(
     database_url: str, schema: str, roles: Roles
 ) -> None:

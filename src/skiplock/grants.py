@@ -143,6 +143,11 @@ def apply(conn: psycopg.Connection[Any], schema: str, role: str, use: Use) -> li
                     conn.execute(statement)
                 except psycopg.errors.InsufficientPrivilege as exc:
                     raise GrantError(_refused(str(exc).strip(), schema)) from None
+                except psycopg.errors.UndefinedObject as exc:
+                    raise GrantError(
+                        f"{str(exc).strip()}: create it first (CREATE ROLE ... LOGIN); "
+                        "nothing was granted"
+                    ) from None
                 if partial:
                     raise GrantError(_refused(partial[0], schema))
     finally:
