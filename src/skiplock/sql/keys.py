@@ -12,13 +12,23 @@ ADMIT_LOCK = """
 SELECT pg_advisory_xact_lock(hashtextextended(%(lock)s, 0))
 """
 
-# For each key asked about (ADMIT_ALL: every key with waiting jobs), the
-# oldest waiting job's limits apply: room is its concurrency limit minus the key's
-# admitted jobs and, with a rate, the rate minus the admissions logged within the period.
-# That many of the key's oldest waiting jobs become scheduled or available, and their
-# admission times are logged for rate-limited keys. statement_timestamp(): this
-# statement starts after the lock is held. A job retried by hand may carry a retry_at
-# from before; it runs at once when admitted.
+# For each key asked about (ADMIT_ALL: every key with waiting jobs), the key's oldest
+# waiting jobs are admitted, oldest first, as many as fit. Every job's own key_limit holds
+# while it is admitted: a key never has more admitted jobs than the lowest limit among
+# them (jobs of one key may carry different limits: a deploy changed concurrency_limit
+# while they waited, or an ordering key and a concurrency key share a name). So the room
+# is the lowest limit among the admitted jobs and the oldest waiting one, minus the
+# admitted; of the waiting jobs that fit in it, the line is cut before the first job
+# whose own limit (or an older waiting job's) would be exceeded: admitted + place <=
+# lowest limit so far, which once false stays false, so what is admitted is always the
+# head of the line. With a rate (the oldest waiting job's), the room is also the rate
+# minus the admissions logged within the period; the admission times of rate-limited
+# keys are logged. Periods are compared in seconds (float8), never turned into
+# intervals, so no stored value can overflow the statement for every key.
+# ADMIT_HEADS admits at most one job per key (the fallback of skiplock.admission, which
+# finds a row that cannot be admitted by trying the head of its key's line alone).
+# statement_timestamp(): this statement starts after the lock is held. A job retried by
+# hand may carry a retry_at from before; it runs at once when admitted.
 _ASKED_KEYS = """
 WITH asked AS (
     -- Key by key, each an equality on the index of waiting jobs. LATERAL ... LIMIT 1 so
@@ -35,8 +45,10 @@ WITH asked AS (
     SELECT DISTINCT ordering_key AS key FROM {jobs} WHERE state = 'blocked'
 """
 
-_ADMIT = (
-    """
+
+def _admit(most: str) -> str:
+    return (
+        """
 ), head AS (
     SELECT asked.key, oldest.key_limit, oldest.key_rate, oldest.key_period
     FROM asked,
@@ -44,25 +56,34 @@ _ADMIT = (
                   WHERE ordering_key = asked.key AND state = 'blocked'
                   ORDER BY id LIMIT 1) AS oldest
 ), room AS (
-    SELECT head.key, head.key_rate, head.key_period,
+    SELECT head.key, head.key_rate, head.key_period, admitted.jobs AS admitted,
            least(
-               head.key_limit
-               - (SELECT count(*) FROM {jobs}
-                  WHERE ordering_key = head.key
-                    AND state IN ('scheduled', 'available', 'running', 'retryable')),
+               least(head.key_limit, admitted.lowest_limit) - admitted.jobs,
                head.key_rate
                - (SELECT count(*) FROM {key_rates} AS r, unnest(r.admissions) AS t
                   WHERE r.key = head.key
-                    AND t > statement_timestamp() - head.key_period * interval '1 second')
+                    AND extract(epoch FROM statement_timestamp() - t) < head.key_period),
+               """
+        + most
+        + """
            ) AS free
-    FROM head
+    FROM head,
+         LATERAL (SELECT count(*) AS jobs, min(key_limit) AS lowest_limit FROM {jobs}
+                  WHERE ordering_key = head.key
+                    AND state IN ('scheduled', 'available', 'running', 'retryable'))
+         AS admitted
 ), picked AS (
-    SELECT next.id
+    SELECT fits.id
     FROM room,
-         LATERAL (SELECT id FROM {jobs}
-                  WHERE ordering_key = room.key AND state = 'blocked'
-                  ORDER BY id
-                  LIMIT room.free) AS next
+         LATERAL (SELECT line.id
+                  FROM (SELECT id,
+                               row_number() OVER (ORDER BY id) AS place,
+                               min(key_limit) OVER (ORDER BY id) AS lowest_limit
+                        FROM (SELECT id, key_limit FROM {jobs}
+                              WHERE ordering_key = room.key AND state = 'blocked'
+                              ORDER BY id
+                              LIMIT room.free) AS oldest) AS line
+                  WHERE room.admitted + line.place <= line.lowest_limit) AS fits
     WHERE room.free > 0
 ), moved AS (
     UPDATE {jobs} AS j
@@ -83,24 +104,26 @@ _ADMIT = (
     SET period = EXCLUDED.period,
         admissions = ARRAY(
             SELECT t FROM unnest(r.admissions) AS t
-            WHERE t > statement_timestamp() - EXCLUDED.period * interval '1 second'
+            WHERE extract(epoch FROM statement_timestamp() - t) < EXCLUDED.period
             ORDER BY t) || EXCLUDED.admissions
 )"""
-    + NOTIFY_MOVED
-)
+        + NOTIFY_MOVED
+    )
 
-ADMIT = _ASKED_KEYS + _ADMIT
+
+ADMIT = _ASKED_KEYS + _admit("NULL")
 # The periodic full pass: the same for every key with waiting jobs.
-ADMIT_ALL = _ASKED_ALL + _ADMIT
+ADMIT_ALL = _ASKED_ALL + _admit("NULL")
+# The oldest waiting job of each key asked about, if it fits.
+ADMIT_HEADS = _ASKED_KEYS + _admit("1")
 
 # Rate-limited keys that still have waiting jobs, and in how many seconds the oldest
 # admission in each one's window leaves it (room for one more). The leader comes back
 # for them then.
 KEY_RATE_NEXT = """
-SELECT r.key,
-       extract(epoch FROM min(t) + r.period * interval '1 second' - statement_timestamp())
+SELECT r.key, r.period - max(extract(epoch FROM statement_timestamp() - t))::float8
 FROM {key_rates} AS r, unnest(r.admissions) AS t
-WHERE t > statement_timestamp() - r.period * interval '1 second'
+WHERE extract(epoch FROM statement_timestamp() - t) < r.period
   AND EXISTS (SELECT 1 FROM {jobs} WHERE ordering_key = r.key AND state = 'blocked')
 GROUP BY r.key, r.period
 """
@@ -109,7 +132,7 @@ GROUP BY r.key, r.period
 KEY_RATES_PRUNE = """
 DELETE FROM {key_rates} AS r
 WHERE NOT EXISTS (SELECT 1 FROM unnest(r.admissions) AS t
-                  WHERE t > now() - r.period * interval '1 second')
+                  WHERE extract(epoch FROM now() - t) < r.period)
   AND NOT EXISTS (SELECT 1 FROM {jobs} WHERE ordering_key = r.key AND state = 'blocked')
 """
 
