@@ -625,3 +625,54 @@ def test_printed_sql_of_a_no_transaction_migration_sets_the_search_path_for_the_
     assert capsys.readouterr().out.startswith(
         f"-- {by_task.label}\nSET search_path TO {scratch_schema};\n-- skiplock: no-transaction\n"
     )
+
+
+def test_queued_keys_held_twice_before_0011_keep_one_holder_and_park_the_others(
+    database_url: str, scratch_schema: str
+) -> None:
+    """Before 0011 a waiting keyed job did not hold its 'queued' unique key, so duplicates
+    could be accepted; the migration keeps the admitted (else the oldest) holder and ends
+    the others dead, with the reason, without the key."""
+    app = skiplock.App(database_url, schema=scratch_schema)
+    app.migrate(target=10)
+    insert = sql.SQL(
+        "INSERT INTO {} (task, args, state, ordering_key, unique_queued_key) "
+        "VALUES ('report', '{{}}', %s, %s, %s) RETURNING id"
+    ).format(sql.Identifier(scratch_schema, "jobs"))
+    rows = [
+        ("blocked", "a", "u"),  # the oldest of three waiting under u
+        ("blocked", "b", "u"),
+        ("available", "c", "u"),  # admitted: it keeps u
+        ("blocked", "a", "v"),  # oldest of two waiting under v: keeps it
+        ("blocked", "b", "v"),
+        ("blocked", "c", "w"),  # alone: untouched
+    ]
+    with psycopg.connect(database_url) as conn:
+        ids = [int(conn.execute(insert, row).fetchone()[0]) for row in rows]  # type: ignore[index]
+
+    app.migrate()
+
+    with psycopg.connect(database_url) as conn:
+        found = {
+            int(job_id): (state, key, [e["message"] for e in errors])
+            for job_id, state, key, errors in conn.execute(
+                sql.SQL("SELECT id, state, unique_queued_key, errors FROM {}").format(
+                    sql.Identifier(scratch_schema, "jobs")
+                )
+            )
+        }
+    assert [found[job_id][:2] for job_id in ids] == [
+        ("dead", None),
+        ("dead", None),
+        ("available", "u"),
+        ("blocked", "v"),
+        ("dead", None),
+        ("blocked", "w"),
+    ]
+    assert found[ids[0]][2] == [
+        f"duplicate of job {ids[2]} under the queued unique key 'u', accepted while that job "
+        "waited for its key (fixed by migration 0011)"
+    ]
+    assert found[ids[5]][2] == []
+    with psycopg.connect(database_url) as conn, pytest.raises(psycopg.errors.UniqueViolation):
+        conn.execute(insert, ("blocked", "d", "w"))

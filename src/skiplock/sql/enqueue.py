@@ -54,11 +54,13 @@ JOB_WINDOW_GIVE_BACK = """
 DELETE FROM {unique_windows} WHERE key = %(unique_key)s AND job_id = %(id)s
 """
 
+# The holder of a key, in the states its scope's index covers (0007, 0011): the 'queued'
+# scope holds the key while the job waits, for its key (blocked) or its time.
 JOB_FIND_UNIQUE = """
 SELECT id FROM {jobs}
 WHERE (unique_key = %(unique_key)s AND state <> 'dead')
    OR (unique_queued_key = %(unique_queued_key)s
-       AND state IN ('scheduled', 'available', 'retryable'))
+       AND state IN ('blocked', 'scheduled', 'available', 'retryable'))
 LIMIT 1
 """
 
@@ -87,12 +89,12 @@ SELECT id,
        CASE WHEN unique_key = ANY(%(keys)s::text[]) AND state <> 'dead'
             THEN unique_key END,
        CASE WHEN unique_queued_key = ANY(%(queued_keys)s::text[])
-             AND state IN ('scheduled', 'available', 'retryable')
+             AND state IN ('blocked', 'scheduled', 'available', 'retryable')
             THEN unique_queued_key END
 FROM {jobs}
 WHERE (unique_key = ANY(%(keys)s::text[]) AND state <> 'dead')
    OR (unique_queued_key = ANY(%(queued_keys)s::text[])
-       AND state IN ('scheduled', 'available', 'retryable'))
+       AND state IN ('blocked', 'scheduled', 'available', 'retryable'))
 """
 
 # Bulk enqueue, step one: ids from the table's own sequence (so plain INSERTs never
