@@ -42,9 +42,13 @@ WHERE ctid = ANY(ARRAY(
 """
 
 # Windowed unique keys whose window has passed (0009): free already, deleted in batches so
-# the table holds only windows still running.
+# the table holds only windows still running. The expiry is tested again on the row being
+# deleted: an enqueue may re-take a key (ON CONFLICT DO UPDATE) after the batch was read,
+# and the delete, waiting on that row, then rechecks its WHERE against the new version,
+# which must not go.
 UNIQUE_WINDOWS_PRUNE_BATCH = """
 DELETE FROM {unique_windows}
 WHERE key = ANY(ARRAY(
     SELECT key FROM {unique_windows} WHERE expires_at <= now() LIMIT %(batch)s))
+  AND expires_at <= now()
 """
