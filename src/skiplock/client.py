@@ -241,19 +241,63 @@ def _ids_in_order(
     ]
 
 
+def _unresolved(specs: Sequence[JobSpec], by_key: dict[UniqueKey, int]) -> list[JobSpec]:
+    """The unique jobs whose key has neither a new job nor a holder: the holder left its
+    scope between the insert and the look-up. One per key, to be inserted again."""
+    again: dict[UniqueKey, JobSpec] = {}
+    for spec in specs:
+        if spec.unique_key:
+            key = (spec.unique_scope, spec.unique_key)
+            if key not in by_key and key not in again:
+                again[key] = spec
+    return list(again.values())
+
+
 def _insert_unique_many(conn: Conn, schema: str, specs: Sequence[JobSpec]) -> list[int]:
     """Unique jobs (and any others in the same batch) in one INSERT ... ON CONFLICT; the
-    ids of duplicates are their holders'. Order follows ``specs``."""
-    rows = conn.execute(
-        render(enqueue.JOB_INSERT_MANY_UNIQUE, schema), _many_unique_params(specs)
-    ).fetchall()
-    by_key, plain, missing = _inserted_by_key(specs, rows)
-    if missing["active"] or missing["queued"]:
-        found = conn.execute(
-            render(enqueue.JOB_FIND_UNIQUE_MANY, schema),
-            {"keys": missing["active"], "queued_keys": missing["queued"]},
+    ids of duplicates are their holders'. A holder that left its scope before it was looked
+    up frees its key: its jobs are inserted again, as insert_job does. Order follows
+    ``specs``."""
+    by_key: dict[UniqueKey, int] = {}
+    plain: list[int] = []
+    batch: Sequence[JobSpec] = specs
+    while batch:
+        rows = conn.execute(
+            render(enqueue.JOB_INSERT_MANY_UNIQUE, schema), _many_unique_params(batch)
         ).fetchall()
-        by_key.update(_inserted_by_key(specs, found)[0])
+        inserted, new_plain, missing = _inserted_by_key(batch, rows)
+        by_key.update(inserted)
+        plain.extend(new_plain)
+        if missing["active"] or missing["queued"]:
+            found = conn.execute(
+                render(enqueue.JOB_FIND_UNIQUE_MANY, schema),
+                {"keys": missing["active"], "queued_keys": missing["queued"]},
+            ).fetchall()
+            by_key.update(_inserted_by_key(batch, found)[0])
+        batch = _unresolved(specs, by_key)
+    return _ids_in_order(specs, by_key, plain)
+
+
+async def _insert_unique_many_async(
+    conn: AsyncConn, schema: str, specs: Sequence[JobSpec]
+) -> list[int]:
+    by_key: dict[UniqueKey, int] = {}
+    plain: list[int] = []
+    batch: Sequence[JobSpec] = specs
+    while batch:
+        cur = await conn.execute(
+            render(enqueue.JOB_INSERT_MANY_UNIQUE, schema), _many_unique_params(batch)
+        )
+        inserted, new_plain, missing = _inserted_by_key(batch, await cur.fetchall())
+        by_key.update(inserted)
+        plain.extend(new_plain)
+        if missing["active"] or missing["queued"]:
+            cur = await conn.execute(
+                render(enqueue.JOB_FIND_UNIQUE_MANY, schema),
+                {"keys": missing["active"], "queued_keys": missing["queued"]},
+            )
+            by_key.update(_inserted_by_key(batch, await cur.fetchall())[0])
+        batch = _unresolved(specs, by_key)
     return _ids_in_order(specs, by_key, plain)
 
 
@@ -286,17 +330,7 @@ async def insert_jobs_async(conn: AsyncConn, schema: str, specs: Sequence[JobSpe
     if any(s.unique_window is not None for s in specs):
         return [(await insert_job_async(conn, schema, spec))[0] for spec in specs]
     if any(s.unique_key for s in specs):
-        cur = await conn.execute(
-            render(enqueue.JOB_INSERT_MANY_UNIQUE, schema), _many_unique_params(specs)
-        )
-        by_key, plain, missing = _inserted_by_key(specs, await cur.fetchall())
-        if missing["active"] or missing["queued"]:
-            cur = await conn.execute(
-                render(enqueue.JOB_FIND_UNIQUE_MANY, schema),
-                {"keys": missing["active"], "queued_keys": missing["queued"]},
-            )
-            by_key.update(_inserted_by_key(specs, await cur.fetchall())[0])
-        return _ids_in_order(specs, by_key, plain)
+        return await _insert_unique_many_async(conn, schema, specs)
     cur = await conn.execute(
         render(enqueue.JOB_IDS_RESERVE, schema), _reserve_params(schema, len(specs))
     )
