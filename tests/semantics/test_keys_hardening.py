@@ -17,7 +17,6 @@ import asyncio
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import psycopg
 import pytest
@@ -28,6 +27,7 @@ from conftest import wait_until
 from skiplock import client, history
 from skiplock.config import notify_channel
 from skiplock.sql import keys, render
+from skiplock.tasks import TaskCall
 
 from .conftest import Sem, StartWorkers
 from .timeline import Run, Timeline
@@ -237,8 +237,11 @@ def test_a_queued_key_shared_by_two_ordering_keys_never_stops_admission(
     def report(n: int) -> None:
         ran.append(n)
 
-    a = sem.enqueue(report.with_options(ordering_key="a", unique_key="u", unique_scope="queued"), n=1)
-    b = sem.enqueue(report.with_options(ordering_key="b", unique_key="u", unique_scope="queued"), n=2)
+    def queued(key: str) -> TaskCall[None]:
+        return report.with_options(ordering_key=key, unique_key="u", unique_scope="queued")
+
+    a = sem.enqueue(queued("a"), n=1)
+    b = sem.enqueue(queued("b"), n=2)
     c = sem.enqueue(report.with_options(ordering_key="c"), n=3)
     workers(1)
 
@@ -358,4 +361,3 @@ def test_enqueue_many_inserts_again_when_the_holder_leaves_before_the_look_up(
     assert sorted(row[0] for row in sem.execute("SELECT id FROM {jobs}")) == sorted(
         {plain, taken, queued_holder}
     )
-

@@ -136,6 +136,30 @@ WHERE NOT EXISTS (SELECT 1 FROM unnest(r.admissions) AS t
   AND NOT EXISTS (SELECT 1 FROM {jobs} WHERE ordering_key = r.key AND state = 'blocked')
 """
 
+# Every key with waiting jobs: the keys the fallback of skiplock.admission bisects when
+# the full pass failed.
+KEYS_WAITING = """
+SELECT DISTINCT ordering_key FROM {jobs} WHERE state = 'blocked' ORDER BY ordering_key
+"""
+
+# The oldest waiting job of a key: the one ADMIT_HEADS tries.
+KEY_WAITING_HEAD = """
+SELECT id FROM {jobs} WHERE ordering_key = %(key)s AND state = 'blocked' ORDER BY id LIMIT 1
+"""
+
+# A waiting job that could not be admitted even alone ends dead, with the reason among
+# its errors (it used to stop admission for every key). Fenced on 'blocked': a job
+# cancelled or admitted meanwhile is left alone. Its key's trigger asks for the key again.
+JOB_DEAD_IF_WAITING = """
+UPDATE {jobs}
+SET state = 'dead',
+    errors = errors || jsonb_build_array(jsonb_build_object(
+        'attempt', attempts, 'at', now(), 'type', 'AdmissionFailed',
+        'message', %(reason)s::text, 'traceback', NULL))
+WHERE id = %(id)s AND state = 'blocked'
+RETURNING id
+"""
+
 # Is anything waiting at all? The periodic full pass is skipped when not.
 ANY_WAITING = """
 SELECT EXISTS (SELECT 1 FROM {jobs} WHERE state = 'blocked')
