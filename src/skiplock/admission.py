@@ -50,6 +50,8 @@ FAILURE_LOG_INTERVAL = 60.0
 # period may be absurd; the wait must stay one the event loop can sleep).
 RATE_DUE_MAX = 3600.0
 RATE_DUE_MIN = 0.001
+# The failure log's entry for a pass in which every key failed (no key is empty: 0008).
+EVERY_KEY = ""
 # Reasons recorded among a job's errors are cut to this many characters.
 REASON_MAX = 1000
 
@@ -137,8 +139,8 @@ async def admit_pass(
             return report
     try:
         report.admitted = await _admit(conn, schema, channel, asked)
-    except ROW_ERRORS:
-        await _isolate(conn, schema, channel, asked, report, failures)
+    except ROW_ERRORS as exc:
+        await _isolate(conn, schema, channel, asked, reason_of(exc), report, failures)
     report.rate_due = await _rate_due(conn, schema)
     return report
 
@@ -169,11 +171,12 @@ async def _isolate(
     schema: str,
     channel: str,
     asked: Sequence[str] | None,
+    reason: str,
     report: AdmissionReport,
     failures: FailureLog,
 ) -> None:
-    """The set-based statement failed: admit what can be admitted, key group by key group,
-    and find the keys (then the rows) that cannot."""
+    """The set-based statement failed (with ``reason``): admit what can be admitted, half
+    by half of the keys, and find the keys (then the rows) that cannot."""
     if asked is None:
         cur = await conn.execute(render(keys.KEYS_WAITING, schema))
         tried = [str(row[0]) for row in await cur.fetchall()]
@@ -181,23 +184,24 @@ async def _isolate(
         tried = sorted(set(asked))
     failed: dict[str, str] = {}
 
-    async def bisect(group: list[str]) -> None:
-        try:
-            report.admitted += await _admit(conn, schema, channel, group)
-        except ROW_ERRORS as exc:
-            if len(group) == 1:
-                failed[group[0]] = reason_of(exc)
-                return
-            half = len(group) // 2
-            await bisect(group[:half])
-            await bisect(group[half:])
+    async def bisect(group: list[str], why: str) -> None:
+        """``group`` failed as a whole (``why``): try each half."""
+        if len(group) == 1:
+            failed[group[0]] = why
+            return
+        middle = len(group) // 2
+        for half in (group[:middle], group[middle:]):
+            try:
+                report.admitted += await _admit(conn, schema, channel, half)
+            except ROW_ERRORS as exc:
+                await bisect(half, reason_of(exc))
 
     if tried:
-        await bisect(tried)
+        await bisect(tried, reason)
     now = time.monotonic()
     if not rows_at_fault(len(tried), len(failed)):
         report.failed.update(failed)
-        if failed and failures.due("*", now):
+        if failed and failures.due(EVERY_KEY, now):
             log.warning(
                 "admission failed for every one of %d keys; no job is made dead, since the "
                 "cause is not one row (first: %s); will retry",
@@ -206,10 +210,10 @@ async def _isolate(
             )
         return
     report.failed.update(failed)
-    for key, reason in failed.items():
+    for key, why in failed.items():
         await _admit_heads(conn, schema, channel, key, report)
         if failures.due(key, now):
-            log.warning("admitting key %r failed: %s", key, reason)
+            log.warning("admitting key %r failed: %s", key, why)
 
 
 async def _admit_heads(

@@ -59,6 +59,11 @@ def refuse(sem: Sem, name: str, check: str, *, not_valid: bool = False) -> None:
     )
 
 
+def poisoned(yes: bool) -> dict[str, Any]:
+    """Arguments that carry the 'poison' key (which the test's constraint looks for) or not."""
+    return {"poison": True} if yes else {}
+
+
 def states(sem: Sem, ids: Sequence[int]) -> list[str | None]:
     found = dict(sem.execute("SELECT id, state FROM {jobs} WHERE id = ANY(%s)", (list(ids),)))
     return [found.get(job_id) for job_id in ids]
@@ -110,6 +115,22 @@ def test_a_row_that_cannot_be_admitted_ends_dead_and_every_other_key_is_admitted
 
     again = admit_pass(sem, asked)
     assert (again.admitted, again.failed, again.dead) == (0, {}, [])
+
+
+def test_one_bad_row_among_many_keys_is_found_and_every_other_key_admitted(sem: Sem) -> None:
+    @sem.app.task(name="sync")
+    def sync(n: int, poison: bool = False) -> None: ...
+
+    refuse(sem, "no_poison_runs", "state IN ('blocked', 'dead') OR NOT args ? 'poison'")
+    ids = [
+        int(sem.enqueue(sync.with_options(ordering_key=f"k{n:02}"), n=n, **poisoned(n == 23)))
+        for n in range(37)
+    ]
+
+    report = admit_pass(sem)
+
+    assert (report.admitted, report.dead, list(report.failed)) == (36, [ids[23]], ["k23"])
+    assert states(sem, ids) == ["dead" if n == 23 else "available" for n in range(37)]
 
 
 def test_a_row_that_cannot_be_made_dead_either_leaves_only_its_key_waiting(
