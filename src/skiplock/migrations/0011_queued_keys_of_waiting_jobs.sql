@@ -4,10 +4,13 @@
 -- admitting both then failed on this index, for every key at once.
 --
 -- Safe to run while workers drain: a lock that cannot be had within lock_timeout fails
--- the migration (run it again) instead of queueing every claim behind it. The new index
--- is built first (a SHARE lock: claims go on, writes to jobs wait for the build); the old
--- one is dropped after it, so its ACCESS EXCLUSIVE lock is held only until the commit.
+-- the migration (run it again) instead of queueing every claim behind it. The table is
+-- locked in SHARE mode first, the mode the index build takes anyway (reads go on; writes,
+-- claims among them, wait until the commit): so no duplicate can be enqueued between the
+-- clean-up below and the build, which would then fail. The new index is built before the
+-- old one is dropped, so the drop's ACCESS EXCLUSIVE lock is held only until the commit.
 SET LOCAL lock_timeout = '10s';
+LOCK TABLE jobs IN SHARE MODE;
 
 -- Duplicates accepted before this migration: the job holding the key keeps it (the one
 -- already admitted, else the oldest); each other one ends dead with the reason and
