@@ -3,14 +3,22 @@
 Handlers finish one by one; their outcomes are written together, one statement per
 outcome kind per flush. A crash before a flush loses only the outcomes, never the jobs:
 their leases expire and they run again (at-least-once).
+
+One bad row stays one bad row: every string is made storable before it is written
+(skiplock.storable), and should PostgreSQL still refuse a batch for something other than
+a lost connection, the batch is split in halves until the refused outcome is alone; that
+one is recorded as a failed attempt with PostgreSQL's reason, and the rest are written.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from functools import cached_property
 from typing import Any
 from uuid import UUID
@@ -22,10 +30,14 @@ from psycopg_pool import AsyncConnectionPool
 from skiplock.config import done_channel
 from skiplock.retry import RetryPolicy
 from skiplock.sql import complete, render
+from skiplock.storable import storable_error, storable_json_text, storable_message
 
 log = logging.getLogger("skiplock.completer")
 
 RECONNECT = RetryPolicy(base=0.05, factor=2.0, cap=2.0, jitter=0.5)
+# The back-off of an attempt whose outcome PostgreSQL refused: the job's own policy is not
+# known here, so the default one (as RetryPolicy()).
+REFUSED_BACKOFF = RetryPolicy()
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,36 @@ def fenced_batch(entries: dict[int, dict[str, Any]]) -> dict[str, Any]:
     return {"ids": list(entries), "batch": Jsonb({str(k): v for k, v in entries.items()})}
 
 
+def storable_outcome(outcome: Outcome) -> Outcome:
+    """``outcome`` with its error record's strings made storable, and its progress left
+    out when PostgreSQL could not store it (it is a side note; the outcome is not). Pure."""
+    changes: dict[str, Any] = {}
+    if outcome.error is not None:
+        error = storable_error(outcome.error)
+        if error != outcome.error:
+            changes["error"] = error
+    if not storable_json_text(outcome.progress_json):
+        changes["progress_json"] = None
+    return dataclasses.replace(outcome, **changes) if changes else outcome
+
+
+def refused_error(outcome: Outcome, refusal: BaseException, now: str) -> dict[str, Any]:
+    """The error recorded for an attempt whose outcome PostgreSQL refused. Pure."""
+    what = "result" if outcome.kind == "completed" else "outcome"
+    return {
+        "attempt": outcome.attempt,
+        "at": now,
+        "type": "OutcomeNotStorableError",
+        "message": f"{what} not storable: {storable_message(refusal)}",
+        "traceback": None,
+    }
+
+
+def _lost_connection(exc: BaseException) -> bool:
+    """A failure of the connection, not of the rows: the same batch is tried again."""
+    return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
+
+
 def outcome_writes(batch: list[Outcome]) -> list[tuple[str, dict[str, Any]]]:
     """The statements (by group) and parameters that write ``batch``; pure."""
     groups: dict[str, dict[int, dict[str, Any]]] = {}
@@ -95,12 +137,18 @@ class CompleterStats:
     cancelled: int = 0
     dead: int = 0
     refused: int = 0
+    # Outcomes PostgreSQL would not take, recorded as failed attempts instead.
+    unstorable: int = 0
+    # Outcomes not even a plain failure could be written for: their leases expire.
     dropped: int = 0
     flushes: int = 0
 
 
 class Completer:
-    """Collects outcomes and writes them every ``interval`` seconds or ``max_batch`` items."""
+    """Collects outcomes and writes them every ``interval`` seconds or ``max_batch`` items.
+
+    ``run`` flushes in the background; the shutdown drain calls ``flush`` too. A lock makes
+    them take turns, so no batch is ever written twice."""
 
     def __init__(
         self,
@@ -120,6 +168,7 @@ class Completer:
         self._on_retry_written = on_retry_written
         self._on_flush = on_flush
         self._sql = {group: render(statement, schema) for group, statement in _STATEMENTS.items()}
+        self._refused_sql = render(complete.JOB_FAIL_UNSTORABLE_IF_LEASED, schema)
         self._durable_sql = render(complete.DURABLE_COMMIT_ON, schema)
         self._done_sql = render(complete.JOBS_DONE_NOTIFY, schema)
         self._done_channel = done_channel(schema)
@@ -127,6 +176,8 @@ class Completer:
         self._ready = asyncio.Event()
         self._drained = asyncio.Event()
         self._drained.set()
+        self._flushing = asyncio.Lock()
+        self._rng = random.Random()
         self.stats = CompleterStats()
         self.refused_ids: list[int] = []
 
@@ -145,9 +196,6 @@ class Completer:
     async def run(self) -> None:
         """Flush until cancelled. Waits a moment after the first outcome to gather more."""
         failures = 0
-        import random  # noqa: PLC0415
-
-        rng = random.Random()
         while True:
             await self._ready.wait()
             if len(self._pending) < self._max_batch:
@@ -155,43 +203,54 @@ class Completer:
             try:
                 await self.flush()
                 failures = 0
-            except psycopg.OperationalError as exc:
+            except Exception as exc:
+                # A lost connection (flush isolates every other refusal row by row): the
+                # batch is kept and written once the database answers again.
                 failures += 1
-                delay = RECONNECT.delay(failures, rng)
-                log.warning("writing outcomes failed (%s); retrying in %.2fs", exc, delay)
+                delay = RECONNECT.delay(failures, self._rng)
+                if _lost_connection(exc):
+                    log.warning("writing outcomes failed (%s); retrying in %.2fs", exc, delay)
+                else:
+                    log.exception("writing outcomes failed; retrying in %.2fs", delay)
                 await asyncio.sleep(delay)
-            except psycopg.Error:
-                # Not a lost connection: retrying this batch would fail the same way. Drop
-                # it; its jobs' leases expire and they run again (at-least-once).
-                dropped = self._pending[: self._max_batch]
-                del self._pending[: len(dropped)]
-                self.stats.dropped += len(dropped)
-                log.exception(
-                    "could not write %d outcomes; their jobs will run again", len(dropped)
-                )
 
     async def flush(self) -> None:
-        """Write everything pending in one transaction. On failure the batch is kept."""
-        batch = self._pending[: self._max_batch]
-        if not batch:
-            self._ready.clear()
-            self._drained.set()
+        """Write up to ``max_batch`` pending outcomes. A refused outcome is recorded as a
+        failed attempt and the others are written; on a lost connection whatever was not
+        written yet stays pending, and the error is raised."""
+        async with self._flushing:
+            batch = [storable_outcome(o) for o in self._pending[: self._max_batch]]
+            if not batch:
+                self._ready.clear()
+                self._drained.set()
+                return
+            written: set[int] = set()
+            unstorable: set[int] = set()
+            settled: list[Outcome] = []
+            try:
+                await self._write_isolated(batch, written, unstorable, settled)
+            finally:
+                # Whatever was settled (written, refused by its fence, or recorded as a
+                # failure) leaves the queue, even when a lost connection cut the flush short.
+                self._settle(settled, written, unstorable)
+
+    def _settle(self, settled: list[Outcome], written: set[int], unstorable: set[int]) -> None:
+        if not settled:
             return
-        written: set[int] = set()
-        async with self._pool.connection() as conn, conn.transaction():
-            await conn.execute(self._durable_sql)
-            for group, params in outcome_writes(batch):
-                cur = await conn.execute(self._sql[group], {**params, "worker_id": self._worker_id})
-                written.update(r[0] for r in await cur.fetchall())
-            # One wake-up per flush for anyone awaiting a result (client.wait_for_result).
-            await conn.execute(self._done_sql, {"channel": self._done_channel})
-        del self._pending[: len(batch)]
+        # Halves are written left first, so what is settled is always the batch's head,
+        # and the batch is the head of the queue (add only appends; flushes take turns).
+        del self._pending[: len(settled)]
         self.stats.flushes += 1
-        self._on_flush(len(batch), len(batch) - len(written))
-        if any(o.kind == "retried" or (o.kind == "snoozed" and o.delay > 0) for o in batch):
+        refused = [o for o in settled if o.job_id not in written and o.job_id not in unstorable]
+        self._on_flush(len(settled), len(refused))
+        if unstorable or any(
+            o.kind == "retried" or (o.kind == "snoozed" and o.delay > 0) for o in settled
+        ):
             self._on_retry_written()
-        for outcome in batch:
-            if outcome.job_id not in written:
+        for outcome in settled:
+            if outcome.job_id in unstorable:
+                self.stats.unstorable += 1
+            elif outcome.job_id not in written:
                 self.stats.refused += 1
                 self.refused_ids.append(outcome.job_id)
                 log.warning(
@@ -205,3 +264,72 @@ class Completer:
         if not self._pending:
             self._ready.clear()
             self._drained.set()
+
+    async def _write_isolated(
+        self,
+        batch: list[Outcome],
+        written: set[int],
+        unstorable: set[int],
+        settled: list[Outcome],
+    ) -> None:
+        """Write ``batch`` in one transaction; if PostgreSQL refuses it for its rows, write
+        each half on its own, down to the one refused outcome (bisection: a poisoned batch
+        of n costs about 2 log2(n) statements more per bad row)."""
+        try:
+            written.update(await self._write(batch))
+            settled.extend(batch)
+            return
+        except Exception as exc:
+            if _lost_connection(exc) or isinstance(exc, asyncio.CancelledError):
+                raise
+            refusal: Exception = exc
+        if len(batch) > 1:
+            middle = len(batch) // 2
+            await self._write_isolated(batch[:middle], written, unstorable, settled)
+            await self._write_isolated(batch[middle:], written, unstorable, settled)
+            return
+        await self._write_refused(batch[0], refusal, unstorable)
+        settled.append(batch[0])
+
+    async def _write(self, batch: list[Outcome]) -> set[int]:
+        written: set[int] = set()
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute(self._durable_sql)
+            for group, params in outcome_writes(batch):
+                cur = await conn.execute(self._sql[group], {**params, "worker_id": self._worker_id})
+                written.update(r[0] for r in await cur.fetchall())
+            # One wake-up per flush for anyone awaiting a result (client.wait_for_result).
+            await conn.execute(self._done_sql, {"channel": self._done_channel})
+        return written
+
+    async def _write_refused(
+        self, outcome: Outcome, refusal: BaseException, unstorable: set[int]
+    ) -> None:
+        """Record ``outcome``'s attempt as failed, with the reason PostgreSQL refused it."""
+        error = refused_error(outcome, refusal, datetime.now(UTC).isoformat())
+        log.error(
+            "job %s attempt %s: its %s outcome was refused (%s); recorded as a failure",
+            outcome.job_id,
+            outcome.attempt,
+            outcome.kind,
+            error["message"],
+        )
+        params = {
+            "id": outcome.job_id,
+            "attempt": outcome.attempt,
+            "worker_id": self._worker_id,
+            "delay": REFUSED_BACKOFF.delay(outcome.attempt, self._rng),
+            "error": Jsonb(error),
+        }
+        try:
+            async with self._pool.connection() as conn, conn.transaction():
+                await conn.execute(self._durable_sql)
+                cur = await conn.execute(self._refused_sql, params)
+                if await cur.fetchone() is not None:
+                    unstorable.add(outcome.job_id)
+        except Exception as exc:
+            if _lost_connection(exc) or isinstance(exc, asyncio.CancelledError):
+                raise
+            # Not even a plain failure was taken: leave the job to its lease (it runs again).
+            self.stats.dropped += 1
+            log.exception("could not record the failure of job %s either", outcome.job_id)

@@ -33,6 +33,16 @@ class JobFailedError(SkiplockError):
     """A job whose result was awaited ended dead or cancelled instead of completed."""
 
 
+class ResultNotStorableError(SkiplockError, ValueError):
+    """A handler returned a value PostgreSQL cannot store (a NUL or a lone surrogate in a
+    string, inf or nan): the attempt fails with this error, its message says where."""
+
+
+class OutcomeNotStorableError(SkiplockError):
+    """An attempt's outcome could not be turned into a write, or the write was refused
+    for that row alone (skiplock.storable, completer): recorded as a failed attempt."""
+
+
 class Snooze(Exception):  # noqa: N818 - raised by handlers; reads as an instruction
     """Raise from a handler to put its job back for ``after`` without using an attempt.
 

@@ -11,12 +11,15 @@ import asyncio
 import contextvars
 import json
 import logging
+import math
 import random
+import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
-from datetime import UTC, datetime
+from contextlib import contextmanager, suppress
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -25,9 +28,15 @@ from skiplock.app import App
 from skiplock.completer import Outcome
 from skiplock.config import done_channel
 from skiplock.context import CancelFlag, set_current_job
-from skiplock.errors import Retry, Snooze, UnknownTaskError
+from skiplock.errors import (
+    OutcomeNotStorableError,
+    Retry,
+    Snooze,
+    UnknownTaskError,
+)
 from skiplock.retry import RetryPolicy, decide_failure, retry_at_from
 from skiplock.sql import claim, complete, render
+from skiplock.storable import encode_result, storable_message, storable_text
 from skiplock.types import ClaimedJob
 
 log = logging.getLogger("skiplock.executor")
@@ -35,6 +44,10 @@ log = logging.getLogger("skiplock.executor")
 Clock = Callable[[], datetime]
 MAX_TRACEBACK_CHARS = 20_000
 DEFAULT_POLICY = RetryPolicy()
+# The furthest a handler may put its job off (Retry/Snooze after=...): past this the
+# request is refused as a mistake, and timestamps stay well inside what Python and
+# PostgreSQL both read back.
+MAX_REQUESTED_DELAY = timedelta(days=100 * 366)
 
 
 def utcnow() -> datetime:
@@ -43,6 +56,10 @@ def utcnow() -> datetime:
 
 class JobTimeoutError(Exception):
     """The handler ran longer than its task's timeout."""
+
+
+class SessionLostError(Exception):
+    """A transactional job's session ended while it ran; its attempt is counted anyway."""
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -73,15 +90,45 @@ def claimed_from_row(row: Sequence[Any]) -> ClaimedJob:
 
 
 def error_record(exc: BaseException, attempt: int, now: datetime) -> dict[str, Any]:
-    """What is stored for a failed attempt: enough to debug at 3 a.m. without logs."""
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    """What is stored for a failed attempt: enough to debug at 3 a.m. without logs.
+
+    Every string is made storable (skiplock.storable): a message with a NUL or a lone
+    surrogate in it must not cost the job its record, nor its batch the write."""
+    try:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    except Exception as broken:  # a user's exception may break even this
+        tb = f"<traceback could not be formatted: {type(broken).__qualname__}>"
     return {
         "attempt": attempt,
         "at": now.isoformat(),
-        "type": type(exc).__qualname__,
-        "message": str(exc),
-        "traceback": tb[-MAX_TRACEBACK_CHARS:],
+        "type": storable_text(type(exc).__qualname__),
+        "message": storable_message(exc),
+        "traceback": storable_text(tb[-MAX_TRACEBACK_CHARS:]),
     }
+
+
+def requested_time(after: object, now: datetime, asked_by: str) -> datetime:
+    """The time a handler's ``Retry(after=...)`` or ``Snooze(after=...)`` names, checked.
+
+    A delay that is not finite, a time past MAX_REQUESTED_DELAY, or anything that is not
+    a time at all raises OutcomeNotStorableError naming the value; a time in the past is
+    "now" (the callers take the later of it and now)."""
+    try:
+        at = retry_at_from(after, now)  # type: ignore[arg-type]
+        if at is None:
+            return now
+        delay = (at - now).total_seconds()
+    except (ArithmeticError, ValueError, TypeError) as exc:
+        raise OutcomeNotStorableError(
+            f"{asked_by}(after={storable_message(repr(after))}) is not a usable time: "
+            f"{storable_message(exc)}"
+        ) from None
+    if not math.isfinite(delay) or delay > MAX_REQUESTED_DELAY.total_seconds():
+        raise OutcomeNotStorableError(
+            f"{asked_by}(after={storable_message(repr(after))}) is out of range: a job can "
+            f"be put off by at most {MAX_REQUESTED_DELAY.days} days"
+        )
+    return at
 
 
 def failure_outcome(
@@ -94,11 +141,20 @@ def failure_outcome(
     rng: random.Random,
 ) -> Outcome:
     """Retry later (with back-off, or when the handler asked) or dead; a Snooze instead
-    puts the job back without counting the attempt. Pure."""
-    if isinstance(exc, Snooze):
-        until = retry_at_from(exc.after, now) or now
-        return Outcome(job_id, attempt, snooze=True, delay=max((until - now).total_seconds(), 0))
-    retry_at = retry_at_from(exc.after, now) if isinstance(exc, Retry) else None
+    puts the job back without counting the attempt. Pure.
+
+    A Retry or Snooze asking for a time that cannot be (inf, nan, centuries ahead) is a
+    failed attempt recorded with that reason, retried with the policy's back-off."""
+    retry_at = None
+    try:
+        if isinstance(exc, Snooze):
+            until = max(requested_time(exc.after, now, "Snooze"), now)
+            return Outcome(job_id, attempt, snooze=True, delay=(until - now).total_seconds())
+        if isinstance(exc, Retry):
+            retry_at = requested_time(exc.after, now, "Retry")
+    except OutcomeNotStorableError as refused:
+        refused.__cause__ = exc
+        exc, retry_at = refused, None
     decision = decide_failure(
         attempt=attempt,
         max_attempts=max_attempts,
@@ -116,14 +172,27 @@ def failure_outcome(
     )
 
 
-def encode_result(value: object) -> str | None:
-    """A handler's return value as JSON; values JSON cannot hold are stored as their repr."""
-    if value is None:
-        return None
-    try:
-        return json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError):
-        return json.dumps({"repr": repr(value)})
+def last_resort_outcome(
+    job: ClaimedJob, attempt: int, problem: BaseException, now: datetime, rng: random.Random
+) -> Outcome:
+    """The outcome of an attempt whose own outcome could not be made (failure_outcome or
+    encode_result raised): a failed attempt whose record says what went wrong. Built from
+    values known to be storable, with the default back-off, so it cannot fail in turn."""
+    dead = attempt >= job.max_attempts
+    return Outcome(
+        job_id=job.id,
+        attempt=attempt,
+        error={
+            "attempt": attempt,
+            "at": now.isoformat(),
+            "type": "OutcomeNotStorableError",
+            "message": "outcome not storable: "
+            + storable_text(f"{type(problem).__qualname__}: {storable_message(problem)}"),
+            "traceback": None,
+        },
+        dead=dead,
+        delay=0.0 if dead else DEFAULT_POLICY.delay(attempt, rng),
+    )
 
 
 async def run_leased(
@@ -177,6 +246,7 @@ async def run_leased(
                 if on_abandoned is not None:
                     on_abandoned(future)
                 raise
+        # Inside the try: a value PostgreSQL cannot store fails this attempt, here.
         return Outcome(job.id, job.attempts, result_json=encode_result(result))
     except TimeoutError:
         exc: BaseException = JobTimeoutError(f"{job.task} exceeded its timeout")
@@ -185,37 +255,97 @@ async def run_leased(
         exc = unknown
     except Exception as failure:
         exc = failure
-    return failure_outcome(job.id, job.attempts, job.max_attempts, policy, exc, clock(), rng)
+    now = clock()
+    try:
+        return failure_outcome(job.id, job.attempts, job.max_attempts, policy, exc, now, rng)
+    except Exception as problem:
+        # The job's task must end with an outcome whatever the exception holds.
+        log.exception("job %s: its failure could not be recorded as raised", job.id)
+        return last_resort_outcome(job, job.attempts, problem, now, rng)
 
 
-def _transactional_step(
-    app: App,
-    job: ClaimedJob,
-    exc: BaseException | None,
-    result: object,
-    now: datetime,
-    rng: random.Random,
-) -> tuple[str, dict[str, Any]]:
-    """The statement that records a transactional job's outcome, and its parameters."""
+# -- transactional mode ---------------------------------------------------------------
+#
+# Each job runs in a savepoint that holds its handler's writes and, when it returns, the
+# write of its completion: a result PostgreSQL cannot store (or any refused completion)
+# fails the job and rolls its writes back. A failure is written in a savepoint of its own;
+# if even that is refused, a plain failure naming the reason is written instead. And if
+# the session itself ends while a job runs (the server ending a stuck handler, a DBA, a
+# network cut), that job's attempt is counted from outside once its row is free
+# (decision 002): no job can roll back its own attempts forever.
+
+Step = tuple[str, dict[str, Any]]
+# How long after its timeout a stuck sync handler's session is looked at again; the
+# server ends it once it has been idle for the timeout.
+WATCHDOG_GRACE_SECONDS = 1.0
+
+
+def _completion_step(app: App, job: ClaimedJob, result: object) -> Step:
+    """The statement completing a transactional job; raises ResultNotStorableError."""
+    return render(complete.JOB_COMPLETE_LOCKED, app.schema), {
+        "id": job.id,
+        "result": encode_result(result),
+    }
+
+
+def _failure_step(
+    app: App, job: ClaimedJob, exc: BaseException, now: datetime, rng: random.Random
+) -> Step:
+    """The statement recording a transactional job's failed attempt (or its snooze)."""
     attempt = job.attempts + 1
-    if exc is None:
-        return render(complete.JOB_COMPLETE_LOCKED, app.schema), {
-            "id": job.id,
-            "result": encode_result(result),
-        }
-    policy = app.tasks[job.task].options.retry
-    outcome = failure_outcome(job.id, attempt, job.max_attempts, policy, exc, now, rng)
+    try:
+        policy = app.tasks[job.task].options.retry
+        outcome = failure_outcome(job.id, attempt, job.max_attempts, policy, exc, now, rng)
+    except Exception as problem:
+        log.exception("job %s: its failure could not be recorded as raised", job.id)
+        outcome = last_resort_outcome(job, attempt, problem, now, rng)
     if outcome.snooze:
         return render(complete.JOB_SNOOZE_LOCKED, app.schema), {
             "id": job.id,
             "delay": outcome.delay,
         }
+    return _fail_locked(app, outcome)
+
+
+def _refused_step(
+    app: App, job: ClaimedJob, refused: BaseException, now: datetime, rng: random.Random
+) -> Step:
+    """The failure written when the failure itself was refused: storable by construction."""
+    return _fail_locked(app, last_resort_outcome(job, job.attempts + 1, refused, now, rng))
+
+
+def _fail_locked(app: App, outcome: Outcome) -> Step:
     return render(complete.JOB_FAIL_LOCKED, app.schema), {
-        "id": job.id,
+        "id": outcome.job_id,
         "dead": outcome.dead,
         "delay": outcome.delay,
         "error": json.dumps(outcome.error),
     }
+
+
+def _charge_step(app: App, job: ClaimedJob, reason: str, now: datetime, rng: random.Random) -> Step:
+    """The statement counting the attempt a lost session took with it (decision 002)."""
+    attempt = job.attempts + 1
+    error = SessionLostError(storable_text(reason))
+    try:
+        delay = app.tasks[job.task].options.retry.delay(attempt, rng)
+    except Exception:  # an unknown task: it fails on its next run anyway
+        delay = DEFAULT_POLICY.delay(attempt, rng)
+    record = error_record(error, attempt, now)
+    record["traceback"] = None
+    return render(complete.JOB_CHARGE_LOST_ATTEMPT, app.schema), {
+        "id": job.id,
+        "attempts": job.attempts,
+        "delay": delay,
+        "error": json.dumps(record),
+    }
+
+
+def _lost_reason(exc: BaseException) -> str:
+    return (
+        "the job's session ended while it ran, rolling back its transaction "
+        f"({type(exc).__qualname__}: {storable_message(exc)}); the attempt is counted"
+    )
 
 
 def _kind(statement: str, params: dict[str, Any]) -> str:
@@ -231,6 +361,11 @@ def _done_notify(app: App) -> tuple[str, dict[str, Any]]:
 
 def _lock_params(queue: str, tasks: Sequence[str], limit: int) -> dict[str, Any]:
     return {"queue": queue, "tasks": list(tasks), "limit": limit}
+
+
+def _limit_params(timeout: float) -> dict[str, Any]:
+    ms = str(max(int(timeout * 1000), 1))
+    return {"idle": ms, "statement": ms}
 
 
 async def run_transactional_async(
@@ -250,36 +385,141 @@ async def run_transactional_async(
     Each job runs in a savepoint: a failing handler's writes roll back while the failure
     itself is recorded in the outer transaction. Returns how many jobs were claimed.
     """
-    async with conn.transaction():
-        # The handler's own writes commit with the job: they must be durable.
-        await conn.execute(render(complete.DURABLE_COMMIT_ON, app.schema))
-        cur = await conn.execute(
-            render(claim.JOB_LOCK_BATCH, app.schema), _lock_params(queue, tasks, limit)
-        )
-        jobs = [claimed_from_row(r) for r in await cur.fetchall()]
-        on_claimed(len(jobs))
-        for job in jobs:
-            task = app.tasks[job.task]
-            exc: BaseException | None = None
-            result: object = None
-            set_current_job(job)
-            started = time.perf_counter()
-            try:
-                if job.args_error is not None:
-                    raise ArgumentsError(job.args_error)
-                async with conn.transaction():
-                    result = await asyncio.wait_for(task.fn(conn, **job.args), task.options.timeout)
-            except TimeoutError:
-                exc = JobTimeoutError(f"{job.task} exceeded its timeout")
-            except Exception as failure:
-                exc = failure
-            set_current_job(None)
-            statement, params = _transactional_step(app, job, exc, result, clock(), rng)
-            await conn.execute(statement, params)
-            on_finished(job, _kind(statement, params), time.perf_counter() - started)
-        if jobs:
-            await conn.execute(*_done_notify(app))
+    running: ClaimedJob | None = None
+    try:
+        async with conn.transaction():
+            # The handler's own writes commit with the job: they must be durable.
+            await conn.execute(render(complete.DURABLE_COMMIT_ON, app.schema))
+            cur = await conn.execute(
+                render(claim.JOB_LOCK_BATCH, app.schema), _lock_params(queue, tasks, limit)
+            )
+            jobs = [claimed_from_row(r) for r in await cur.fetchall()]
+            on_claimed(len(jobs))
+            for job in jobs:
+                running = job
+                task = app.tasks[job.task]
+                exc: BaseException | None = None
+                set_current_job(job)
+                started = time.perf_counter()
+                step: Step | None = None
+                try:
+                    if job.args_error is not None:
+                        raise ArgumentsError(job.args_error)
+                    async with conn.transaction():
+                        coro = task.fn(conn, **job.args)
+                        result = await asyncio.wait_for(coro, task.options.timeout)
+                        step = _completion_step(app, job, result)
+                        await conn.execute(*step)
+                except TimeoutError:
+                    exc = JobTimeoutError(f"{job.task} exceeded its timeout")
+                except Exception as failure:
+                    exc = failure
+                set_current_job(None)
+                if exc is not None:
+                    if conn.broken:
+                        raise exc
+                    step = _failure_step(app, job, exc, clock(), rng)
+                    try:
+                        async with conn.transaction():
+                            await conn.execute(*step)
+                    except psycopg.Error as refused:
+                        if conn.broken:
+                            raise
+                        step = _refused_step(app, job, refused, clock(), rng)
+                        await conn.execute(*step)
+                assert step is not None
+                running = None
+                on_finished(job, _kind(*step), time.perf_counter() - started)
+            if jobs:
+                await conn.execute(*_done_notify(app))
+    except Exception as exc:
+        if running is not None:
+            await _charge_async(app, conn, running, _lost_reason(exc), rng, clock)
+        raise
     return len(jobs)
+
+
+async def _charge_async(
+    app: App,
+    conn: psycopg.AsyncConnection[Any],
+    job: ClaimedJob,
+    reason: str,
+    rng: random.Random,
+    clock: Clock,
+) -> None:
+    step = _charge_step(app, job, reason, clock(), rng)
+    try:
+        if not conn.broken and not conn.closed:
+            await conn.execute(*step)  # the session lives; its transaction rolled back
+            return
+        async with await psycopg.AsyncConnection.connect(
+            app.database_url, autocommit=True, connect_timeout=10
+        ) as other:
+            await other.execute(*step)
+    except Exception:
+        log.exception("could not count the lost attempt of job %s", job.id)
+
+
+def _charge_sync(
+    app: App, conn: psycopg.Connection[Any] | None, job: ClaimedJob, reason: str
+) -> bool:
+    """Count a lost attempt (see JOB_CHARGE_LOST_ATTEMPT); True when it was counted now."""
+    step = _charge_step(app, job, reason, utcnow(), random.Random())
+    try:
+        if conn is not None and not conn.broken and not conn.closed:
+            return conn.execute(*step).fetchone() is not None
+        with psycopg.connect(app.database_url, autocommit=True, connect_timeout=10) as other:
+            return other.execute(*step).fetchone() is not None
+    except Exception:
+        log.exception("could not count the lost attempt of job %s", job.id)
+        return False
+
+
+@contextmanager
+def _watchdog(app: App, job: ClaimedJob, timeout: float | None) -> Iterator[None]:
+    """While a sync handler with a timeout runs, a session of its own waits on the job's
+    row lock. If the server ends the job's session (the handler stuck past its timeout:
+    its thread cannot be stopped), the wait is granted at once, ahead of any claim, and
+    the attempt is counted (decision 002). When the job ends normally the wait is
+    cancelled. A handler that never returns thus still uses up its attempts."""
+    if timeout is None:
+        yield
+        return
+    done = threading.Event()
+    session: list[psycopg.Connection[Any]] = []
+    reason = (
+        f"the handler outlived its timeout of {timeout}s and the server ended its "
+        "session, rolling back its transaction; the attempt is counted"
+    )
+
+    def watch() -> None:
+        try:
+            with psycopg.connect(app.database_url, connect_timeout=10) as conn:
+                session.append(conn)
+                if done.is_set():
+                    return
+                await_end = render(complete.JOB_AWAIT_SESSION_END, app.schema)
+                row = conn.execute(await_end, {"id": job.id, "attempts": job.attempts}).fetchone()
+                if row is None or done.is_set():
+                    return  # the job ended normally (or committed before the wait began)
+                charged = conn.execute(*_charge_step(app, job, reason, utcnow(), random.Random()))
+                if charged.fetchone() is not None:
+                    conn.commit()
+                    log.warning("job %s: %s", job.id, reason)
+        except psycopg.errors.QueryCanceled:
+            pass  # the job ended normally
+        except Exception:
+            if not done.is_set():
+                log.exception("job %s: the watch on its session failed", job.id)
+
+    threading.Thread(target=watch, name=f"skiplock-watch-{job.id}", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+        if session:
+            with suppress(Exception):
+                session[0].cancel_safe(timeout=2.0)
 
 
 def run_transactional_sync(
@@ -294,33 +534,66 @@ def run_transactional_sync(
     on_claimed: Callable[[int], None] = lambda n: None,
     on_finished: Callable[[ClaimedJob, str, float], None] = lambda job, kind, seconds: None,
 ) -> int:
-    """Sync twin of ``run_transactional_async``, run in a worker thread."""
-    with conn.transaction():
-        rows = conn.execute(
-            render(claim.JOB_LOCK_BATCH, app.schema), _lock_params(queue, tasks, limit)
-        ).fetchall()
-        jobs = [claimed_from_row(r) for r in rows]
-        on_claimed(len(jobs))
-        for job in jobs:
-            task = app.tasks[job.task]
-            exc: BaseException | None = None
-            result: object = None
-            set_current_job(job)
-            started = time.perf_counter()
-            if task.options.timeout is not None:
-                ms = str(max(int(task.options.timeout * 1000), 1))
-                conn.execute(render(complete.SESSION_LIMIT, app.schema), {"ms": ms})
-            try:
-                if job.args_error is not None:
-                    raise ArgumentsError(job.args_error)
-                with conn.transaction():
-                    result = task.fn(conn, **job.args)
-            except Exception as failure:
-                exc = failure
-            set_current_job(None)
-            statement, params = _transactional_step(app, job, exc, result, clock(), rng)
-            conn.execute(statement, params)
-            on_finished(job, _kind(statement, params), time.perf_counter() - started)
-        if jobs:
-            conn.execute(*_done_notify(app))
+    """Sync twin of ``run_transactional_async``, run in a worker thread. A task's timeout
+    is enforced by the server (SESSION_LIMIT), for that job only."""
+    running: ClaimedJob | None = None
+    try:
+        with conn.transaction():
+            rows = conn.execute(
+                render(claim.JOB_LOCK_BATCH, app.schema), _lock_params(queue, tasks, limit)
+            ).fetchall()
+            jobs = [claimed_from_row(r) for r in rows]
+            on_claimed(len(jobs))
+            session_limits: tuple[Any, ...] | None = None
+            for job in jobs:
+                running = job
+                task = app.tasks[job.task]
+                exc: BaseException | None = None
+                set_current_job(job)
+                started = time.perf_counter()
+                timeout = task.options.timeout
+                if timeout is not None:
+                    if session_limits is None:
+                        read = render(complete.SESSION_LIMITS_READ, app.schema)
+                        session_limits = conn.execute(read).fetchone()
+                    conn.execute(render(complete.SESSION_LIMIT, app.schema), _limit_params(timeout))
+                step: Step | None = None
+                try:
+                    if job.args_error is not None:
+                        raise ArgumentsError(job.args_error)
+                    with _watchdog(app, job, timeout), conn.transaction():
+                        result = task.fn(conn, **job.args)
+                        step = _completion_step(app, job, result)
+                        conn.execute(*step)
+                except Exception as failure:
+                    exc = failure
+                set_current_job(None)
+                if exc is not None:
+                    if conn.broken:
+                        raise exc
+                    step = _failure_step(app, job, exc, clock(), rng)
+                    try:
+                        with conn.transaction():
+                            conn.execute(*step)
+                    except psycopg.Error as refused:
+                        if conn.broken:
+                            raise
+                        step = _refused_step(app, job, refused, clock(), rng)
+                        conn.execute(*step)
+                if timeout is not None and session_limits is not None:
+                    # Back to the session's own limits: the next job must not inherit these.
+                    idle, statement = session_limits
+                    conn.execute(
+                        render(complete.SESSION_LIMIT, app.schema),
+                        {"idle": idle, "statement": statement},
+                    )
+                assert step is not None
+                running = None
+                on_finished(job, _kind(*step), time.perf_counter() - started)
+            if jobs:
+                conn.execute(*_done_notify(app))
+    except Exception as exc:
+        if running is not None:
+            _charge_sync(app, conn, running, _lost_reason(exc))
+        raise
     return len(jobs)

@@ -1,7 +1,7 @@
 """Task timeouts (``timeout=``): an async handler is cancelled and the attempt fails with
 JobTimeoutError; a sync lease-mode handler's attempt fails the same way while its thread
 is abandoned; a sync transactional handler is bounded by the server, which ends its
-transaction, and the job is claimable again without using an attempt."""
+transaction, and the attempt is counted all the same (decision 002)."""
 
 from __future__ import annotations
 
@@ -131,26 +131,16 @@ def test_a_stuck_sync_transactional_handler_is_ended_by_the_server(
     job_id = sem.enqueue(settle, batch=1)
     assert started.wait(15)
 
-    def claimable() -> bool:
-        with sem.connect(autocommit=False) as conn:
-            rows = conn.execute(
-                f'SELECT id FROM "{sem.schema}".jobs WHERE id = %s FOR UPDATE SKIP LOCKED',
-                (job_id,),
-            ).fetchall()
-            conn.rollback()
-        return bool(rows)
-
     try:
-        wait_until(claimable, 15, "the server to end the stuck handler's transaction")
-        job = sem.job(job_id)
-        # Rolled back: no attempt used (max_attempts=1 would otherwise make it dead).
-        assert (job.state, job.attempts, job.errors) == (skiplock.JobState.AVAILABLE, 0, [])
+        # The server ends the stuck session, and the attempt it took with it is counted
+        # (issue 10, item 3): with max_attempts=1 the job is dead, not run again.
+        job = sem.wait_for_state(job_id, "dead")
+        assert (job.attempts, [e["type"] for e in job.errors]) == (1, ["SessionLostError"])
     finally:
         release.set()
-
-    done = sem.wait_for_state(job_id, "completed")
-    assert (done.attempts, done.errors, done.result) == (1, [], "second")
-    assert calls.counts == Counter({1: 2})
+    assert calls.counts == Counter({1: 1})
+    # The late return changes nothing: its session is gone.
+    assert sem.job(job_id).state is skiplock.JobState.DEAD
 
 
 def test_a_sync_job_queued_behind_an_abandoned_thread_is_not_timed_out_before_it_starts(

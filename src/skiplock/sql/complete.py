@@ -168,10 +168,65 @@ WITH moved AS (
 
 # A transactional handler's time limit: the server ends a session left idle inside its
 # transaction (a sync handler stuck outside SQL) or a statement running longer, and the
-# rollback makes the job claimable again. Transaction-local.
+# rollback makes the job claimable again. Transaction-local, so it would last to the end
+# of the batch: SESSION_LIMITS_READ is taken first and the same statement puts the
+# values read back once the job is done, before the next job of the batch starts.
 SESSION_LIMIT = """
-SELECT set_config('idle_in_transaction_session_timeout', %(ms)s, true),
-       set_config('statement_timeout', %(ms)s, true)
+SELECT set_config('idle_in_transaction_session_timeout', %(idle)s, true),
+       set_config('statement_timeout', %(statement)s, true)
+"""
+
+SESSION_LIMITS_READ = """
+SELECT current_setting('idle_in_transaction_session_timeout'),
+       current_setting('statement_timeout')
+"""
+
+# A transactional job's session ended while it ran (the server ended a handler stuck past
+# its timeout, a DBA, a network cut): its transaction rolled back, attempt and all. The
+# attempt is counted here, from another session once the row is free (decision 002,
+# "Counting an attempt the session took with it"). SKIP LOCKED: a row still locked is
+# still being run, by this session (alive after all) or by the next one; and attempts is
+# the fence, so the attempt is counted once however many times this runs.
+JOB_CHARGE_LOST_ATTEMPT = """
+UPDATE {jobs} AS j
+SET state = CASE WHEN j.attempts + 1 >= j.max_attempts THEN 'dead'
+                 WHEN %(delay)s > 0 THEN 'retryable' ELSE 'available' END,
+    attempts = j.attempts + 1,
+    attempted_at = now(),
+    retry_at = now() + %(delay)s * interval '1 second',
+    errors = j.errors || jsonb_build_array(%(error)s::jsonb),
+    unique_queued_key = NULL  -- it has started: a queued-scope key is released (0007)
+WHERE j.id = (
+    SELECT id FROM {jobs}
+    WHERE id = %(id)s AND attempts = %(attempts)s AND state = 'available'
+    FOR UPDATE SKIP LOCKED
+)
+RETURNING j.state
+"""
+
+# A sync transactional job with a timeout is watched from a second session queued on its
+# row lock: should the server end the job's session (the handler stuck past its
+# timeout), this wait is granted before any SKIP LOCKED claim can take the row, and
+# JOB_CHARGE_LOST_ATTEMPT runs in the same transaction. The fence is the attempt count:
+# a job that committed meanwhile (completed, failed) no longer matches.
+JOB_AWAIT_SESSION_END = """
+SELECT id FROM {jobs}
+WHERE id = %(id)s AND attempts = %(attempts)s AND state = 'available'
+FOR UPDATE
+"""
+
+# Lease mode, one row: an outcome whose write was refused for that row alone (a value
+# PostgreSQL would not take) becomes a failed attempt with the reason. Dead once its
+# attempts are used up, decided here where max_attempts is known. Fenced as the others.
+JOB_FAIL_UNSTORABLE_IF_LEASED = """
+UPDATE {jobs} AS j
+SET state = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'retryable' END,
+    retry_at = now() + %(delay)s * interval '1 second',
+    errors = j.errors || jsonb_build_array(%(error)s::jsonb),
+    worker_id = NULL,
+    lease_expires_at = NULL
+WHERE j.id = %(id)s AND j.attempts = %(attempt)s AND j.worker_id = %(worker_id)s
+RETURNING j.id
 """
 
 # Worker connections commit claims, heartbeats and maintenance without waiting for the WAL
