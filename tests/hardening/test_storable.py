@@ -53,8 +53,9 @@ json_values = st.recursive(
     | st.integers()
     | st.floats(allow_nan=True, allow_infinity=True)
     | any_text,
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(any_text, children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(any_text, children, max_size=4)
+    ),
     max_leaves=12,
 )
 

@@ -184,3 +184,55 @@ def test_skiplock_retry_in_transactional_mode_at_an_impossible_time_is_recorded(
     dead = sem.wait_for_state(job_id, "dead")
     assert dead.errors[-1]["type"] == "OutcomeNotStorableError"
     assert dead.errors[-1]["message"].startswith("Retry(after=nan)")
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_handler_that_returns_with_its_transaction_aborted_uses_its_attempts(
+    sem: Sem, workers: StartWorkers, flavour: str
+) -> None:
+    """It swallowed a database error and returned: its savepoint cannot be released.
+    The job fails (its attempt counted in the batch's transaction), the batch goes on."""
+    calls = Calls()
+
+    if flavour == "sync":
+
+        @sem.app.task(name="swallow", transactional=True, max_attempts=2, retry=NO_RETRY_DELAY)
+        def swallow(conn: psycopg.Connection[Any]) -> str:
+            calls.record("swallow")
+            try:
+                conn.execute("SELECT 1 / 0")
+            except psycopg.errors.DivisionByZero:
+                pass
+            return "looks fine"
+
+        @sem.app.task(name="good", transactional=True)
+        def good(conn: psycopg.Connection[Any], n: int) -> int:
+            calls.record(("good", n))
+            return n
+
+    else:
+
+        @sem.app.task(name="swallow", transactional=True, max_attempts=2, retry=NO_RETRY_DELAY)
+        async def swallow(conn: psycopg.AsyncConnection[Any]) -> str:
+            calls.record("swallow")
+            try:
+                await conn.execute("SELECT 1 / 0")
+            except psycopg.errors.DivisionByZero:
+                pass
+            return "looks fine"
+
+        @sem.app.task(name="good", transactional=True)
+        async def good(conn: psycopg.AsyncConnection[Any], n: int) -> int:
+            calls.record(("good", n))
+            return n
+
+    bad_id = sem.enqueue(swallow)
+    good_ids = [sem.enqueue(good, n=n) for n in range(GOOD_JOBS)]
+    workers(1)
+
+    dead = sem.wait_for_state(bad_id, "dead")
+    assert dead.attempts == 2
+    assert [e["type"] for e in dead.errors] == ["InFailedSqlTransaction"] * 2, dead.errors
+    sem.wait_for_all(good_ids, "completed")
+    expected: dict[Any, int] = {"swallow": 2, **{("good", n): 1 for n in range(GOOD_JOBS)}}
+    assert calls.counts == expected
