@@ -112,6 +112,16 @@ def _lost_connection(exc: BaseException) -> bool:
     return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
 
 
+def _refused_for_its_rows(exc: BaseException) -> bool:
+    """A refusal some row of the batch caused: a value PostgreSQL would not take (class 22),
+    a constraint (class 23), or a value psycopg could not send. Any other error (a lost
+    connection, a missing table or privilege) is the same for every row: bisecting would
+    only repeat it, so the batch is kept and tried again."""
+    if isinstance(exc, psycopg.DataError | psycopg.IntegrityError):
+        return True
+    return not isinstance(exc, psycopg.Error)
+
+
 def outcome_writes(batch: list[Outcome]) -> list[tuple[str, dict[str, Any]]]:
     """The statements (by group) and parameters that write ``batch``; pure."""
     groups: dict[str, dict[int, dict[str, Any]]] = {}
@@ -204,8 +214,8 @@ class Completer:
                 await self.flush()
                 failures = 0
             except Exception as exc:
-                # A lost connection (flush isolates every other refusal row by row): the
-                # batch is kept and written once the database answers again.
+                # A lost connection, or an error no row caused (flush isolates those that
+                # one did): the batch is kept and written once the database takes it.
                 failures += 1
                 delay = RECONNECT.delay(failures, self._rng)
                 if _lost_connection(exc):
@@ -215,9 +225,10 @@ class Completer:
                 await asyncio.sleep(delay)
 
     async def flush(self) -> None:
-        """Write up to ``max_batch`` pending outcomes. A refused outcome is recorded as a
-        failed attempt and the others are written; on a lost connection whatever was not
-        written yet stays pending, and the error is raised."""
+        """Write up to ``max_batch`` pending outcomes. An outcome refused for its values is
+        recorded as a failed attempt and the others are written; on a lost connection (or
+        another error no row caused) whatever was not written yet stays pending, and the
+        error is raised."""
         async with self._flushing:
             batch = [storable_outcome(o) for o in self._pending[: self._max_batch]]
             if not batch:
@@ -280,7 +291,7 @@ class Completer:
             settled.extend(batch)
             return
         except Exception as exc:
-            if _lost_connection(exc) or isinstance(exc, asyncio.CancelledError):
+            if not _refused_for_its_rows(exc):
                 raise
             refusal: Exception = exc
         if len(batch) > 1:
@@ -328,7 +339,7 @@ class Completer:
                 if await cur.fetchone() is not None:
                     unstorable.add(outcome.job_id)
         except Exception as exc:
-            if _lost_connection(exc) or isinstance(exc, asyncio.CancelledError):
+            if not _refused_for_its_rows(exc):
                 raise
             # Not even a plain failure was taken: leave the job to its lease (it runs again).
             self.stats.dropped += 1
