@@ -271,13 +271,10 @@ async def run_leased(
 # fails the job and rolls its writes back. A failure is written in a savepoint of its own;
 # if even that is refused, a plain failure naming the reason is written instead. And if
 # the session itself ends while a job runs (the server ending a stuck handler, a DBA, a
-# network cut), that job's attempt is counted from outside once its row is free
-# (decision 002): no job can roll back its own attempts forever.
+# network cut), that job's attempt is counted from another session (decision 002): no
+# job can roll back its own attempts forever.
 
 Step = tuple[str, dict[str, Any]]
-# How long after its timeout a stuck sync handler's session is looked at again; the
-# server ends it once it has been idle for the timeout.
-WATCHDOG_GRACE_SECONDS = 1.0
 
 
 def _completion_step(app: App, job: ClaimedJob, result: object) -> Step:
