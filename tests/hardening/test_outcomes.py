@@ -284,3 +284,42 @@ def test_concurrent_flushes_write_each_outcome_once(sem: Sem) -> None:
     completer = _run(_with_completer(sem, worker_id, body, max_batch=100))
     assert (completer.stats.completed, completer.stats.refused) == (300, 0)
     assert sem.execute("SELECT count(*) FROM {history}")[0][0] == 300
+
+
+def test_an_error_no_row_caused_keeps_the_batch_for_the_next_try(
+    sem: Sem, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A missing table (or privilege) fails every row alike: the batch is neither split
+    nor dropped, and is written once the database takes it."""
+    worker_id = uuid.uuid4()
+    ids = _leased_jobs(sem, worker_id, 3)
+
+    async def body(completer: Completer) -> None:
+        for job_id in ids:
+            completer.add(Outcome(job_id, 1, result_json="1"))
+        runner = asyncio.create_task(completer.run())
+        try:
+
+            async def failed_twice() -> None:
+                # Tried twice, or (as before) given up on: "could not write ...".
+                while not any("could not write" in r.message for r in caplog.records) and (
+                    sum("writing outcomes failed" in r.message for r in caplog.records) < 2
+                ):
+                    await asyncio.sleep(0.01)
+
+            await asyncio.wait_for(failed_twice(), 20)
+        finally:
+            runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await runner
+        assert (completer.backlog, completer.stats.dropped) == (3, 0)
+
+    async def run() -> None:
+        async with AsyncConnectionPool(
+            sem.url, min_size=1, max_size=2, kwargs={"autocommit": True}, open=False
+        ) as pool:
+            # The schema's tables are not there: every statement fails the same way.
+            await body(Completer(pool, f"{sem.schema}_missing", worker_id, interval=0.0))
+
+    _run(run())
+    assert sem.execute("SELECT count(*) FROM {jobs} WHERE state = 'running'")[0][0] == 3
