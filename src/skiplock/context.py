@@ -7,6 +7,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
+from skiplock.storable import problem_in, storable_json_text
 from skiplock.types import ClaimedJob
 
 _current: ContextVar[ClaimedJob | None] = ContextVar("skiplock_current_job", default=None)
@@ -65,6 +66,9 @@ def set_progress(value: Any) -> None:
         raise ValueError(f"progress must be JSON: {exc}") from None
     if len(encoded) > MAX_PROGRESS_BYTES:
         raise ValueError(f"progress is {len(encoded)} bytes of JSON; keep it under 64 KiB")
+    if not storable_json_text(encoded):
+        # Refused here, in the handler: written later, it would fail a whole write.
+        raise ValueError(f"progress not storable: {problem_in(value)}")
     sink(encoded)
 
 

@@ -323,3 +323,24 @@ def test_an_error_no_row_caused_keeps_the_batch_for_the_next_try(
 
     _run(run())
     assert sem.execute("SELECT count(*) FROM {jobs} WHERE state = 'running'")[0][0] == 3
+
+
+def test_progress_postgresql_cannot_store_is_refused_in_the_handler(
+    sem: Sem, workers: StartWorkers
+) -> None:
+    said: list[str] = []
+
+    @sem.app.task(name="reporting")
+    def reporting() -> str:
+        skiplock.set_progress({"done": 1})
+        try:
+            skiplock.set_progress({"note": "x\x00"})
+        except ValueError as refused:
+            said.append(str(refused))
+        return "done"
+
+    job_id = sem.enqueue(reporting)
+    workers(1)
+    done = sem.wait_for_state(job_id, "completed")
+    assert (done.result, done.progress) == ("done", {"done": 1})
+    assert said == ["progress not storable: the string at $.note contains a NUL character"]
