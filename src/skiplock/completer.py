@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import cached_property
 from typing import Any
@@ -154,6 +154,17 @@ class CompleterStats:
     flushes: int = 0
 
 
+@dataclass
+class _Flush:
+    """How far one flush got: the outcomes settled so far (the batch's head, in order), and
+    which of them were written, recorded as failures instead, or could not be written."""
+
+    settled: list[Outcome] = field(default_factory=list)
+    written: set[int] = field(default_factory=set)
+    unstorable: set[int] = field(default_factory=set)
+    dropped: set[int] = field(default_factory=set)
+
+
 class Completer:
     """Collects outcomes and writes them every ``interval`` seconds or ``max_batch`` items.
 
@@ -235,24 +246,24 @@ class Completer:
                 self._ready.clear()
                 self._drained.set()
                 return
-            written: set[int] = set()
-            unstorable: set[int] = set()
-            settled: list[Outcome] = []
+            progress = _Flush()
             try:
-                await self._write_isolated(batch, written, unstorable, settled)
+                await self._write_isolated(batch, progress)
             finally:
                 # Whatever was settled (written, refused by its fence, or recorded as a
                 # failure) leaves the queue, even when a lost connection cut the flush short.
-                self._settle(settled, written, unstorable)
+                self._settle(progress)
 
-    def _settle(self, settled: list[Outcome], written: set[int], unstorable: set[int]) -> None:
+    def _settle(self, progress: _Flush) -> None:
+        settled, written, unstorable = progress.settled, progress.written, progress.unstorable
         if not settled:
             return
         # Halves are written left first, so what is settled is always the batch's head,
         # and the batch is the head of the queue (add only appends; flushes take turns).
         del self._pending[: len(settled)]
         self.stats.flushes += 1
-        refused = [o for o in settled if o.job_id not in written and o.job_id not in unstorable]
+        accounted = written | unstorable | progress.dropped
+        refused = [o for o in settled if o.job_id not in accounted]
         self._on_flush(len(settled), len(refused))
         if unstorable or any(
             o.kind == "retried" or (o.kind == "snoozed" and o.delay > 0) for o in settled
@@ -261,6 +272,8 @@ class Completer:
         for outcome in settled:
             if outcome.job_id in unstorable:
                 self.stats.unstorable += 1
+            elif outcome.job_id in progress.dropped:
+                self.stats.dropped += 1
             elif outcome.job_id not in written:
                 self.stats.refused += 1
                 self.refused_ids.append(outcome.job_id)
@@ -276,19 +289,13 @@ class Completer:
             self._ready.clear()
             self._drained.set()
 
-    async def _write_isolated(
-        self,
-        batch: list[Outcome],
-        written: set[int],
-        unstorable: set[int],
-        settled: list[Outcome],
-    ) -> None:
+    async def _write_isolated(self, batch: list[Outcome], progress: _Flush) -> None:
         """Write ``batch`` in one transaction; if PostgreSQL refuses it for its rows, write
         each half on its own, down to the one refused outcome (bisection: a poisoned batch
         of n costs about 2 log2(n) statements more per bad row)."""
         try:
-            written.update(await self._write(batch))
-            settled.extend(batch)
+            progress.written.update(await self._write(batch))
+            progress.settled.extend(batch)
             return
         except Exception as exc:
             if not _refused_for_its_rows(exc):
@@ -296,11 +303,11 @@ class Completer:
             refusal: Exception = exc
         if len(batch) > 1:
             middle = len(batch) // 2
-            await self._write_isolated(batch[:middle], written, unstorable, settled)
-            await self._write_isolated(batch[middle:], written, unstorable, settled)
+            await self._write_isolated(batch[:middle], progress)
+            await self._write_isolated(batch[middle:], progress)
             return
-        await self._write_refused(batch[0], refusal, unstorable)
-        settled.append(batch[0])
+        await self._write_refused(batch[0], refusal, progress)
+        progress.settled.append(batch[0])
 
     async def _write(self, batch: list[Outcome]) -> set[int]:
         written: set[int] = set()
@@ -314,7 +321,7 @@ class Completer:
         return written
 
     async def _write_refused(
-        self, outcome: Outcome, refusal: BaseException, unstorable: set[int]
+        self, outcome: Outcome, refusal: BaseException, progress: _Flush
     ) -> None:
         """Record ``outcome``'s attempt as failed, with the reason PostgreSQL refused it."""
         error = refused_error(outcome, refusal, datetime.now(UTC).isoformat())
@@ -337,10 +344,10 @@ class Completer:
                 await conn.execute(self._durable_sql)
                 cur = await conn.execute(self._refused_sql, params)
                 if await cur.fetchone() is not None:
-                    unstorable.add(outcome.job_id)
+                    progress.unstorable.add(outcome.job_id)
         except Exception as exc:
             if not _refused_for_its_rows(exc):
                 raise
             # Not even a plain failure was taken: leave the job to its lease (it runs again).
-            self.stats.dropped += 1
+            progress.dropped.add(outcome.job_id)
             log.exception("could not record the failure of job %s either", outcome.job_id)

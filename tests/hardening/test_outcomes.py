@@ -344,3 +344,34 @@ def test_progress_postgresql_cannot_store_is_refused_in_the_handler(
     done = sem.wait_for_state(job_id, "completed")
     assert (done.result, done.progress) == ("done", {"done": 1})
     assert said == ["progress not storable: the string at $.note contains a NUL character"]
+
+
+def test_a_row_postgresql_refuses_whatever_is_written_is_left_alone(sem: Sem) -> None:
+    """A trigger (say) refuses every write of one row: the others are written, that one
+    is left to its lease (counted as dropped) after a plain failure was refused too."""
+    worker_id = uuid.uuid4()
+    ids = _leased_jobs(sem, worker_id, 10)
+    victim = ids[6]
+    with sem.connect() as conn:
+        conn.execute(
+            f'CREATE FUNCTION "{sem.schema}".refuse() RETURNS trigger LANGUAGE plpgsql AS $$ '
+            f"BEGIN IF OLD.id = {victim} THEN "
+            "RAISE EXCEPTION 'refused row' USING ERRCODE = '22000'; END IF; "
+            "IF TG_OP = 'DELETE' THEN RETURN OLD; END IF; RETURN NEW; END $$"
+        )
+        conn.execute(
+            f'CREATE TRIGGER refuse BEFORE UPDATE OR DELETE ON "{sem.schema}".jobs '
+            f'FOR EACH ROW EXECUTE FUNCTION "{sem.schema}".refuse()'
+        )
+
+    async def body(completer: Completer) -> None:
+        for job_id in ids:
+            completer.add(Outcome(job_id, 1, result_json="1"))
+        await completer.flush()
+        assert completer.backlog == 0
+
+    completer = _run(_with_completer(sem, worker_id, body))
+    stats = completer.stats
+    assert (stats.completed, stats.dropped, stats.refused, stats.unstorable) == (9, 1, 0, 0)
+    left = sem.execute("SELECT id, state FROM {jobs}")
+    assert left == [(victim, "running")]
