@@ -2,6 +2,9 @@
 
 asyncio at the core. Async handlers run as tasks; sync handlers in a thread pool. One
 LISTEN connection wakes producers; a slow poll makes notifications an optimisation only.
+Every duty is a service of its own (the listener, the completer, the heartbeat, each
+producer, and the leader's duties in leader.py) that one supervisor starts, restarts
+with back-off when it raises, and counts (``Worker.service_restarts``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from uuid import UUID, uuid4
 import psycopg
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from skiplock import executor, history
+from skiplock import executor
 from skiplock.app import App
 from skiplock.completer import Completer, Outcome, fenced_batch
 from skiplock.config import control_channel, notify_channel
@@ -36,20 +39,31 @@ from skiplock.errors import ConfigurationError, SchemaNotReadyError
 from skiplock.leadership import Leadership
 from skiplock.metrics import NullMetrics
 from skiplock.migrate import pending_migrations
-from skiplock.notifier import Notifier
-from skiplock.periodic import enqueue_due
-from skiplock.producer import Producer, Slots
 from skiplock.retry import RetryPolicy
-from skiplock.sql import claim, complete, keys, maintenance, render
+from skiplock.sql import claim, complete, maintenance, render
 from skiplock.tasks import MAX_QUEUE_NAME, check_name
 from skiplock.types import ClaimedJob
 from skiplock.waiting import wait_event
+from skiplock.worker.heartbeat import Heartbeat
+from skiplock.worker.leader import (
+    Admission,
+    Cron,
+    CursorProbe,
+    Election,
+    History,
+    Promotion,
+    Rescue,
+)
+from skiplock.worker.listener import Listener
+from skiplock.worker.producer import Producer, Slots
+from skiplock.worker.supervisor import Every, Loop, Service, Supervisor
+from skiplock.worker.timeouts import MAINTENANCE
 
 log = logging.getLogger("skiplock.worker")
 
 FINAL_WRITES_SECONDS = 15.0
-# Keys remembered between admission passes; past this, one full pass instead.
-ADMIT_KEYS_MAX = 1000
+# Connections for the maintenance services: at most one each at a time.
+MAINTENANCE_POOL_SIZE = 7
 # How often queue limits are re-read when no 'limits' message arrives.
 LIMITS_REFRESH_SECONDS = 5.0
 STARTUP_RETRY = RetryPolicy(base=0.5, factor=2.0, cap=15.0, jitter=0.5)
@@ -132,7 +146,10 @@ class Worker:
         self.stats = WorkerStats()
         self.ready = asyncio.Event()
         self.completer: Completer | None = None
-        self._notifier: Notifier | None = None
+        self.supervisor: Supervisor | None = None
+        self._listener: Listener | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._admission: Admission | None = None
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # Lease-mode jobs in flight: id -> (attempt, asyncio task running it).
@@ -143,10 +160,6 @@ class Worker:
         self._job_tasks: dict[int, str] = {}
         self._progress: dict[int, tuple[int, str]] = {}
         self._abandon = asyncio.Event()
-        # Keyed jobs (0008): keys to admit, as asked by notifications; the leader admits.
-        self._admit_keys: set[str] = set()
-        self._admit_all = True
-        self._admit_wake = asyncio.Event()
         # This worker's queues that have a concurrency or rate limit, and their wake-ups.
         self._governed: set[str] = set()
         self._wake: dict[str, asyncio.Event] = {}
@@ -175,6 +188,7 @@ class Worker:
                 self._loop.add_signal_handler(signum, self._on_signal, signum)
         await self._wait_for_database()
         url = self.app.database_url
+        schema = self.app.schema
         tx_async, tx_sync, leased_excluded = self._split_tasks()
         needs_async_sessions = any(tx_async.values())
         pool_size = 4 + len(self.queues) + (self.concurrency if needs_async_sessions else 0)
@@ -185,6 +199,16 @@ class Worker:
             kwargs={"autocommit": True, "options": claim.WORKER_SESSION_OPTIONS},
             open=False,
             name=f"skiplock-{self.id}",
+        )
+        # The leader's duties, promotion and the probe: every statement bounded, and
+        # never waiting for a connection behind claims and outcomes (or they for it).
+        maintenance_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+            url,
+            min_size=1,
+            max_size=MAINTENANCE_POOL_SIZE,
+            kwargs={"autocommit": True, "options": MAINTENANCE.options()},
+            open=False,
+            name=f"skiplock-{self.id}-maintenance",
         )
         sync_pool: ConnectionPool[Any] | None = None
         if any(tx_sync.values()):
@@ -197,101 +221,132 @@ class Worker:
             )
             sync_pool.open()
         await pool.open()
+        await maintenance_pool.open()
         self._pool = pool
         threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="skiplock-job")
         slots = Slots(self.concurrency + self.prefetch)
         self._gate = asyncio.Semaphore(self.concurrency) if self.prefetch else None
         wake = self._wake = {queue: asyncio.Event() for queue in self.queues}
-        promote_wake = asyncio.Event()
+        cursors = {queue: ClaimCursor() for queue in self.queues}
+        supervisor = self.supervisor = Supervisor()
+
+        promotion = Promotion(maintenance_pool, schema, poll_interval=self.poll_interval)
         self.completer = completer = Completer(
             pool,
-            self.app.schema,
+            schema,
             self.id,
             interval=self.completer_interval,
             max_batch=max(2 * self.concurrency, 100),
-            on_retry_written=promote_wake.set,
+            on_retry_written=promotion.wake.set,
             on_flush=self._flushed,
         )
-        setup = None
-        if self.liveness_lock:
-            setup = (render(maintenance.WORKER_LOCK, self.app.schema), {"id": self.id})
-        cursors = {queue: ClaimCursor() for queue in self.queues}
+        admission = self._admission = Admission(
+            maintenance_pool,
+            schema,
+            self.leadership,
+            every=self.admit_interval,
+            retry_after=min(self.rescue_interval, 1.0),
+            on_admitted=self._admitted,
+        )
 
         def on_wakeup(wakeup: Wakeup) -> None:
             if wakeup.queue in cursors:
                 cursors[wakeup.queue].rewind(wakeup)
                 wake[wakeup.queue].set()
             if wakeup.run_at is not None and wakeup.run_at > executor.utcnow():
-                promote_wake.set()  # a job scheduled for later: recompute the next due time
+                promotion.wake.set()  # scheduled for later: recompute the next due time
 
         def on_connect() -> None:
             # Whatever was announced while the listener was away is unknown: sweep.
             for queue, cursor in cursors.items():
                 cursor.force_sweep()
                 wake[queue].set()
-            promote_wake.set()
-            self._admit_all = True
-            self._admit_wake.set()
+            promotion.wake.set()
+            admission.ask_all()
 
-        self._notifier = notifier = Notifier(
+        setup = None
+        if self.liveness_lock:
+            setup = (render(maintenance.WORKER_LOCK, schema), {"id": self.id})
+        self._listener = listener = Listener(
             url,
-            notify_channel(self.app.schema),
+            notify_channel(schema),
             on_wakeup,
             on_connect,
             setup=setup,
-            control=(control_channel(self.app.schema), self._on_control),
+            control=(control_channel(schema), self._on_control),
         )
-        producers: list[Producer] = []
-        for queue in self.queues:
-            producers.append(
-                Producer(
-                    f"{queue}/lease",
-                    self._lease_fetch(pool, queue, cursors[queue], leased_excluded, threads, slots),
-                    slots,
-                    wake[queue],
-                    batch_max=self.batch_max,
-                    poll_interval=self.poll_interval,
-                    backpressure=self._backpressure,
-                )
-            )
-            if tx_async[queue]:
-                producers.append(
-                    self._session_producer(
-                        queue,
-                        slots,
-                        wake[queue],
-                        self._async_session(pool, queue, tx_async[queue], slots),
-                        in_thread=False,
-                    )
-                )
-            if tx_sync[queue] and sync_pool is not None:
-                producers.append(
-                    self._session_producer(
-                        queue,
-                        slots,
-                        wake[queue],
-                        self._sync_session(sync_pool, queue, tx_sync[queue], slots, threads),
-                        in_thread=True,
-                    )
-                )
-        background = [
-            asyncio.create_task(notifier.run(), name="skiplock-notifier"),
-            asyncio.create_task(completer.run(), name="skiplock-completer"),
-            asyncio.create_task(self._maintain(pool), name="skiplock-maintenance"),
-            asyncio.create_task(self._promote(pool, promote_wake), name="skiplock-promoter"),
-            asyncio.create_task(self._admit(pool), name="skiplock-admission"),
-            asyncio.create_task(
-                self._probe(pool, cursors, leased_excluded), name="skiplock-cursor-probe"
+        producers = self._producers(
+            pool, sync_pool, cursors, leased_excluded, tx_async, tx_sync, threads, slots
+        )
+        heartbeat_every = max(self.lease_seconds / 3, 0.05)
+        tick = min(self.rescue_interval, heartbeat_every)
+        self._heartbeat = Heartbeat(
+            url,
+            schema,
+            self.id,
+            lease_seconds=self.lease_seconds,
+            every=heartbeat_every,
+            tick=tick,
+            registration=self._registration,
+            leased=self._leased,
+            take_progress=self._take_progress,
+            request_cancel=self.request_cancel,
+            on_lost=self._lease_lost,
+        )
+        # Started once the liveness lock is held: until then a rescuer would take this
+        # worker for dead, drop its registration and hand its jobs on, and an elected
+        # leader without its lock could be replaced at any moment.
+        services: list[Service] = [
+            self._heartbeat,
+            Election(
+                maintenance_pool,
+                schema,
+                self.id,
+                self.leadership,
+                follower_every=self.rescue_interval,
+                on_elected=admission.ask_all,  # a new leader admits every waiting key
             ),
+            Rescue(
+                maintenance_pool,
+                schema,
+                self.leadership,
+                tick=tick,
+                expired_every=max(self.lease_seconds / 2, self.rescue_interval),
+                on_rescued=self._rescued,
+            ),
+            Cron(maintenance_pool, self.app, self.leadership, tick=tick),
+            History(
+                url,
+                schema,
+                self.leadership,
+                tick=tick,
+                every=self.history_interval,
+                retention=self.history_retention,
+            ),
+            admission,
+            Every("limits", LIMITS_REFRESH_SECONDS, partial(self._read_limits, pool)),
         ]
-        producer_tasks: list[asyncio.Task[None]] = []
+        supervisor.start(listener)
+        supervisor.start(Loop("completer", completer.run))
+        supervisor.start(promotion)
+        supervisor.start(
+            CursorProbe(
+                maintenance_pool,
+                schema,
+                cursors,
+                leased_excluded,
+                every=self.sweep_interval,
+                on_found=lambda queue: wake[queue].set(),
+            )
+        )
         try:
-            # Register and claim only once the liveness lock is held: until then a rescuer
-            # would take this worker for dead, drop its registration and hand its jobs on.
-            await self._until_stopped(notifier.connected.wait())
+            await self._until_stopped(listener.connected.wait())
             await self._register(pool)
             await self._read_limits(pool)
-            producer_tasks += [asyncio.create_task(p.run(), name=p.name) for p in producers]
+            for service in services:
+                supervisor.start(service)
+            for producer in producers:
+                supervisor.start(producer)
             self.ready.set()
             log.info(
                 "worker %s started: queues=%s concurrency=%d",
@@ -302,30 +357,82 @@ class Worker:
             await self._stop.wait()
             log.info("worker %s stopping: waiting for %d running jobs", self.id, slots.busy)
         finally:
-            for task in producer_tasks:
-                task.cancel()
-            await asyncio.gather(*producer_tasks, return_exceptions=True)
+            await supervisor.stop(p.name for p in producers)
             # A claim in flight when its producer was cancelled still delivers its jobs.
             in_flight = [p.pending for p in producers if p.pending and not p.pending.done()]
             await asyncio.gather(*in_flight, return_exceptions=True)
+            # Heartbeats and the completer keep running while jobs finish.
             await self._drain(completer, pool)
-            for task in background:
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
+            await supervisor.stop()
             with contextlib.suppress(psycopg.Error):
                 async with pool.connection() as conn:
                     await conn.execute(
-                        render(maintenance.WORKER_DEREGISTER, self.app.schema), {"id": self.id}
+                        render(maintenance.WORKER_DEREGISTER, schema), {"id": self.id}
                     )
                     await conn.execute(
-                        render(maintenance.LEADER_RESIGN, self.app.schema),
-                        {"worker_id": self.id},
+                        render(maintenance.LEADER_RESIGN, schema), {"worker_id": self.id}
                     )
+            await maintenance_pool.close()
             await pool.close()
             if sync_pool is not None:
                 sync_pool.close()
             threads.shutdown(wait=False, cancel_futures=True)
             log.info("worker %s stopped", self.id)
+
+    def _producers(
+        self,
+        pool: AsyncConnectionPool[Any],
+        sync_pool: ConnectionPool[Any] | None,
+        cursors: dict[str, ClaimCursor],
+        leased_excluded: list[str],
+        tx_async: dict[str, list[str]],
+        tx_sync: dict[str, list[str]],
+        threads: ThreadPoolExecutor,
+        slots: Slots,
+    ) -> list[Producer]:
+        """Per queue, a producer of lease-mode claims, and one per kind of transactional
+        session (async, sync) when the queue has such tasks."""
+        producers: list[Producer] = []
+        for queue in self.queues:
+            wake = self._wake[queue]
+            producers.append(
+                Producer(
+                    f"{queue}/lease",
+                    self._lease_fetch(pool, queue, cursors[queue], leased_excluded, threads, slots),
+                    slots,
+                    wake,
+                    batch_max=self.batch_max,
+                    poll_interval=self.poll_interval,
+                    backpressure=self._backpressure,
+                )
+            )
+            if tx_async[queue]:
+                producers.append(
+                    self._session_producer(
+                        queue,
+                        slots,
+                        wake,
+                        self._async_session(pool, queue, tx_async[queue], slots),
+                        in_thread=False,
+                    )
+                )
+            if tx_sync[queue] and sync_pool is not None:
+                producers.append(
+                    self._session_producer(
+                        queue,
+                        slots,
+                        wake,
+                        self._sync_session(sync_pool, queue, tx_sync[queue], slots, threads),
+                        in_thread=True,
+                    )
+                )
+        return producers
+
+    @property
+    def service_restarts(self) -> dict[str, int]:
+        """Restarts per service since the worker started (a service restarts when it
+        raised something it does not handle itself; the traceback is in the log)."""
+        return dict(self.supervisor.restarts) if self.supervisor is not None else {}
 
     def _on_signal(self, signum: int) -> None:
         assert self._stop is not None
@@ -387,9 +494,9 @@ class Worker:
     async def _backpressure(self) -> None:
         """Stop claiming while the completer is far behind, or while the listener (and
         with it the liveness lock) is reconnecting."""
-        notifier = self._notifier
-        if self.liveness_lock and notifier is not None and not notifier.connected.is_set():
-            await notifier.connected.wait()
+        listener = self._listener
+        if self.liveness_lock and listener is not None and not listener.connected.is_set():
+            await listener.connected.wait()
         completer = self.completer
         while completer is not None and completer.backlog > 4 * self.concurrency:
             await asyncio.sleep(0.001)
@@ -572,17 +679,9 @@ class Worker:
         # Called from handler threads too: a dict assignment is atomic under the GIL.
         self._progress[job_id] = (attempt, encoded)
 
-    async def _write_progress(self, pool: AsyncConnectionPool[Any]) -> None:
-        if not self._progress:
-            return
+    def _take_progress(self) -> dict[int, tuple[int, str]]:
         pending, self._progress = self._progress, {}
-        statement = render(complete.JOB_PROGRESS_SET, self.app.schema)
-        async with pool.connection() as conn:
-            for job_id, (attempt, encoded) in pending.items():
-                await conn.execute(
-                    statement,
-                    {"id": job_id, "attempt": attempt, "worker_id": self.id, "progress": encoded},
-                )
+        return pending
 
     def _transactional_finished(self, job: ClaimedJob, kind: str, seconds: float) -> None:
         self.metrics.job_finished(job.queue, job.task, kind, seconds)
@@ -604,16 +703,8 @@ class Worker:
         verb, _, argument = payload.partition("\t")
         if verb == "cancel" and argument.isdigit():
             self.request_cancel(int(argument))
-        elif verb == "admit":
-            # Only the leader acts on these; the others forget them (a new leader starts
-            # with a full pass). A flood is cheaper as one full pass than key by key.
-            if not self.leadership.is_leader(asyncio.get_running_loop().time()):
-                return
-            if argument and len(self._admit_keys) < ADMIT_KEYS_MAX:
-                self._admit_keys.add(argument)
-            else:
-                self._admit_all = True
-            self._admit_wake.set()
+        elif verb == "admit" and self._admission is not None:
+            self._admission.ask(argument)
         elif verb == "limits" and self._pool is not None:
             # Read them now; the next claim of any queue waits for this read, so jobs
             # enqueued after the change committed are claimed under it.
@@ -628,102 +719,6 @@ class Worker:
                 await asyncio.shield(reading)
 
     # -- keys and limits ---------------------------------------------------------------
-
-    async def _admit(self, pool: AsyncConnectionPool[Any]) -> None:
-        """As leader, admit waiting keyed jobs: the keys notifications name at once,
-        rate-limited keys when their window makes room, and every key with waiting jobs
-        every ``admit_interval`` (and on taking over), which covers notifications lost
-        while the listener reconnected."""
-        schema = self.app.schema
-        lock = render(keys.ADMIT_LOCK, schema)
-        admit = render(keys.ADMIT, schema)
-        admit_all = render(keys.ADMIT_ALL, schema)
-        any_waiting = render(keys.ANY_WAITING, schema)
-        rate_next = render(keys.KEY_RATE_NEXT, schema)
-        params = {"lock": f"{schema}.admit", "channel": notify_channel(schema)}
-        loop = asyncio.get_running_loop()
-        next_full = loop.time()
-        rate_due: dict[str, float] = {}  # rate-limited key -> when its window makes room
-        while True:
-            wake_at = min([next_full, *rate_due.values()])
-            await wait_event(self._admit_wake, wake_at - loop.time())
-            self._admit_wake.clear()
-            now = loop.time()
-            if not self.leadership.is_leader(now):
-                self._admit_keys.clear()
-                self._admit_all = True
-                rate_due.clear()
-                next_full = now + self.admit_interval
-                continue
-            asked: list[str] | None = sorted(
-                self._admit_keys | {key for key, at in rate_due.items() if at <= now}
-            )
-            self._admit_keys = set()
-            if self._admit_all or now >= next_full:
-                asked = None
-                self._admit_all = False
-                next_full = now + self.admit_interval
-            elif not asked:
-                continue
-            try:
-                async with pool.connection() as conn:
-                    if asked is None:
-                        cur = await conn.execute(any_waiting)
-                        row = await cur.fetchone()
-                        if row is None or not row[0]:
-                            rate_due.clear()
-                            continue
-                    async with conn.transaction():
-                        await conn.execute(lock, params)
-                        if asked is None:
-                            cur = await conn.execute(admit_all, params)
-                        else:
-                            cur = await conn.execute(admit, {**params, "keys": asked})
-                        admitted = sum(int(r[1]) for r in await cur.fetchall())
-                    cur = await conn.execute(rate_next)
-                    rate_due = {
-                        str(key): loop.time() + max(float(seconds), 0.001)
-                        for key, seconds in await cur.fetchall()
-                    }
-                if admitted:
-                    self.stats.admitted += admitted
-                    log.debug("admitted %d keyed jobs", admitted)
-            except psycopg.Error as exc:
-                self._admit_all = True
-                log.warning("admitting keyed jobs failed (%s); will retry", exc)
-                await asyncio.sleep(min(self.rescue_interval, 1.0))
-
-    async def _probe(
-        self, pool: AsyncConnectionPool[Any], cursors: dict[str, ClaimCursor], excluded: list[str]
-    ) -> None:
-        """Every ``sweep_interval``, look behind each queue's claim cursor for a ready job
-        no notification announced, and rewind to it (off the claim path: see cursor.py)."""
-        behind = render(claim.JOB_BEHIND_CURSOR, self.app.schema)
-        while True:
-            await asyncio.sleep(self.sweep_interval)
-            for queue, cursor in cursors.items():
-                position = cursor.position
-                if position is None:
-                    continue
-                try:
-                    async with pool.connection() as conn:
-                        cur = await conn.execute(
-                            behind,
-                            {
-                                "queue": queue,
-                                "exclude_tasks": excluded,
-                                "after_priority": position[0],
-                                "after_run_at": position[1],
-                                "after_id": position[2],
-                            },
-                        )
-                        found = await cur.fetchone()
-                except psycopg.Error as exc:
-                    log.warning("cursor probe failed (%s); will retry", exc)
-                    continue
-                if found is not None:
-                    cursor.rewind_to((found[0], found[1], found[2]))
-                    self._wake[queue].set()
 
     async def _read_limits(self, pool: AsyncConnectionPool[Any]) -> None:
         """Which of this worker's queues claim through the limited path."""
@@ -767,7 +762,7 @@ class Worker:
             return limit if got >= self.transactional_batch else 0
 
         return Producer(
-            f"{queue}/transactional",
+            f"{queue}/transactional/{'sync' if in_thread else 'async'}",
             fetch,
             slots,
             wake,
@@ -870,157 +865,24 @@ class Worker:
                 render(maintenance.WORKER_REGISTER, self.app.schema), self._registration()
             )
 
-    async def _maintain(self, pool: AsyncConnectionPool[Any]) -> None:
-        """Heartbeat leases every third of the lease. The elected leader alone rescues the
-        jobs of dead workers (by liveness lock, every rescue_interval) and of expired
-        leases (every half lease: that scan walks the running index, which grows while
-        VACUUM is held back)."""
-        schema = self.app.schema
-        params = {"channel": notify_channel(schema)}
-        heartbeat_every = max(self.lease_seconds / 3, 0.05)
-        expired_every = max(self.lease_seconds / 2, self.rescue_interval)
-        loop = asyncio.get_running_loop()
-        next_heartbeat = loop.time() + heartbeat_every
-        next_expired = loop.time()
-        next_election = loop.time()
-        next_history = loop.time()
-        next_limits = loop.time() + LIMITS_REFRESH_SECONDS
-        elect = render(maintenance.LEADER_ELECT, schema)
-        while True:
-            try:
-                now = loop.time()
-                if now >= next_heartbeat:
-                    next_heartbeat = now + heartbeat_every
-                    await self.heartbeat(pool)
-                await self._write_progress(pool)
-                if now >= next_limits:
-                    next_limits = now + LIMITS_REFRESH_SECONDS
-                    await self._read_limits(pool)
-                if now >= next_election:
-                    was_leader = self.leadership.is_leader(now)
-                    async with pool.connection() as conn:
-                        cur = await conn.execute(
-                            elect, {"worker_id": self.id, "ttl": self.leader_ttl}
-                        )
-                        won = await cur.fetchone() is not None
-                    self.leadership.record(won=won, asked_at=now)
-                    if won and not was_leader:
-                        self._admit_all = True  # a new leader admits every waiting key
-                        self._admit_wake.set()
-                    next_election = now + self.leadership.next_attempt_in(now, self.rescue_interval)
-                if not self.leadership.is_leader(loop.time()):
-                    await asyncio.sleep(min(self.rescue_interval, heartbeat_every))
-                    continue
-                if self.app.periodics:
-                    async with pool.connection() as conn:
-                        await enqueue_due(conn, self.app)
-                if now >= next_history:
-                    next_history = now + self.history_interval
-                    report = await asyncio.to_thread(self._maintain_history)
-                    if report.created or report.dropped or report.pruned_rows:
-                        log.info(
-                            "history: created %s, dropped %s, pruned %d rows",
-                            report.created,
-                            report.dropped,
-                            report.pruned_rows,
-                        )
-                statements = []
-                if now >= next_expired:
-                    # Both walk the running index; every half lease is soon enough for a
-                    # hung worker's jobs and for cancellations whose worker is gone.
-                    next_expired = now + expired_every
-                    statements += [maintenance.JOB_RESCUE_EXPIRED, maintenance.JOB_CANCEL_ABANDONED]
-                rescued = 0
-                async with pool.connection() as conn:
-                    async with conn.transaction():
-                        cur = await conn.execute(render(maintenance.WORKERS_GONE, schema))
-                        gone = [row[0] for row in await cur.fetchall()]
-                        if gone:
-                            cur = await conn.execute(
-                                render(maintenance.JOB_RESCUE_ORPHANED, schema),
-                                {**params, "workers": gone},
-                            )
-                            rescued += sum(int(row[1]) for row in await cur.fetchall())
-                    for statement in statements:
-                        # Each statement notifies the queues it refilled (and so us).
-                        cur = await conn.execute(render(statement, schema), params)
-                        rescued += sum(int(row[1]) for row in await cur.fetchall())
-                if rescued:
-                    self.metrics.rescued(rescued)
-                    self.stats.rescued += rescued
-                    log.warning("rescued %d jobs of dead workers or expired leases", rescued)
-            except psycopg.OperationalError as exc:
-                self.leadership.lose()
-                log.warning("maintenance failed (%s); will retry", exc)
-            except Exception:
-                # Heartbeats live in this loop too: it must outlive any surprise.
-                log.exception("maintenance step failed; will retry")
-            await asyncio.sleep(min(self.rescue_interval, heartbeat_every))
+    async def heartbeat(self) -> None:
+        """Extend this worker's leases now (the heartbeat service does it every third of
+        the lease); stop jobs whose lease was lost."""
+        assert self._heartbeat is not None, "the worker is not running"
+        await self._heartbeat.beat()
 
-    def _maintain_history(self) -> history.HistoryReport:
-        with psycopg.connect(self.app.database_url, autocommit=True) as conn:
-            return history.maintain(conn, self.app.schema, retention=self.history_retention)
+    def _lease_lost(self, job_id: int, attempt: int, task: asyncio.Task[None]) -> None:
+        self.stats.lost_leases += 1
+        log.warning("lost the lease of job %s attempt %s; cancelling it", job_id, attempt)
+        del self._leased[job_id]
+        task.cancel()
 
-    async def _promote(self, pool: AsyncConnectionPool[Any], wake: asyncio.Event) -> None:
-        """Make scheduled and retryable jobs available when due, sleeping until the next
-        one comes due (at most a poll interval) or until this worker writes a retry."""
-        schema = self.app.schema
-        promote = render(maintenance.JOB_PROMOTE_DUE, schema)
-        next_due = render(maintenance.JOB_NEXT_DUE, schema)
-        channel = notify_channel(schema)
-        while True:
-            sleep_for = self.poll_interval
-            try:
-                wake.clear()
-                async with pool.connection() as conn:
-                    while True:
-                        cur = await conn.execute(promote, {"limit": 1000, "channel": channel})
-                        promoted = sum(int(row[1]) for row in await cur.fetchall())
-                        if promoted < 1000:
-                            break
-                    cur = await conn.execute(next_due)
-                    row = await cur.fetchone()
-                if row is not None and row[0] is not None:
-                    sleep_for = min(max(float(row[0]), 0.001), self.poll_interval)
-            except psycopg.OperationalError as exc:
-                log.warning("promoting due jobs failed (%s); will retry", exc)
-            except Exception:
-                log.exception("promoting due jobs failed; will retry")
-            await wait_event(wake, sleep_for)
+    def _rescued(self, count: int) -> None:
+        self.metrics.rescued(count)
+        self.stats.rescued += count
 
-    async def heartbeat(self, pool: AsyncConnectionPool[Any]) -> None:
-        """Extend this worker's leases; stop jobs whose lease was lost."""
-        async with pool.connection() as conn:
-            await conn.execute(
-                render(maintenance.WORKER_TOUCH, self.app.schema), self._registration()
-            )
-            if not self._leased:
-                return
-            held = dict(self._leased)
-            cur = await conn.execute(
-                render(complete.JOB_EXTEND_LEASES, self.app.schema),
-                {
-                    **fenced_batch({job_id: {"attempt": a} for job_id, (a, _) in held.items()}),
-                    "worker_id": self.id,
-                    "lease_seconds": self.lease_seconds,
-                },
-            )
-            rows = await cur.fetchall()
-            kept = {row[0] for row in rows}
-            for job_id, asked in rows:
-                if asked:
-                    self.request_cancel(job_id)  # its notification may have been missed
-        for job_id, (attempt, task) in held.items():
-            if job_id in kept or self._leased.get(job_id, (None,))[0] != attempt:
-                continue
-            # Lost between heartbeats, or finished and already flushed: only the former
-            # is still in self._leased with no outcome pending.
-            if task.done():
-                continue
-            self.stats.lost_leases += 1
-            log.warning("lost the lease of job %s attempt %s; cancelling it", job_id, attempt)
-            del self._leased[job_id]
-            task.cancel()
+    def _admitted(self, count: int) -> None:
+        self.stats.admitted += count
 
     async def _drain(self, completer: Completer, pool: AsyncConnectionPool[Any]) -> None:
         """Let running jobs finish (up to the shutdown timeout), then write every outcome.
@@ -1063,7 +925,9 @@ class Worker:
             remaining = deadline - asyncio.get_running_loop().time()
             try:
                 if completer.backlog:
-                    await asyncio.wait_for(completer.flush(), remaining)
+                    # The completer service writes them: one flusher at a time, or two
+                    # would write (and then drop) the same batch.
+                    await asyncio.wait_for(completer.wait_drained(), remaining)
                 if unfinished:
                     await asyncio.wait_for(self._release(pool, unfinished), remaining)
                     unfinished = {}

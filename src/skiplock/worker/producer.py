@@ -17,7 +17,7 @@ import psycopg
 from skiplock.retry import RetryPolicy
 from skiplock.waiting import wait_event
 
-log = logging.getLogger("skiplock.producer")
+log = logging.getLogger("skiplock.worker.producer")
 
 RECONNECT = RetryPolicy(base=0.1, factor=2.0, cap=10.0, jitter=0.5)
 

@@ -1,4 +1,6 @@
-"""One LISTEN connection per worker process. Notifications only wake producers.
+"""One LISTEN connection per worker process, which also holds the liveness lock.
+
+Notifications only wake producers (and carry control messages).
 
 Correctness never depends on a notification arriving: jobs live in the table and
 producers poll. A notification that is missed (listener reconnecting, process busy) only
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -18,14 +21,22 @@ from psycopg import sql
 from skiplock.cursor import Wakeup, parse_payload
 from skiplock.retry import RetryPolicy
 
-log = logging.getLogger("skiplock.notifier")
+log = logging.getLogger("skiplock.worker.listener")
 
 RECONNECT = RetryPolicy(base=0.1, factor=2.0, cap=5.0, jitter=0.5)
 
 
-class Notifier:
+class Listener:
     """Hands each notification on ``channel`` to ``on_wakeup``; ``on_connect`` runs after
-    every (re)connection, since whatever was sent meanwhile is lost."""
+    every (re)connection, since whatever was sent meanwhile is lost.
+
+    ``connected`` is set exactly while the connection (and with it the liveness lock) is
+    up: producers wait on it, so a worker never claims without liveness. A lost
+    connection is reconnected here with back-off; anything else escapes to the
+    supervisor, which restarts the service (``connected`` stays clear until then).
+    """
+
+    name = "listener"
 
     def __init__(
         self,
@@ -48,8 +59,12 @@ class Notifier:
 
     async def run(self) -> None:
         """Listen until cancelled, reconnecting with back-off when the connection drops."""
-        import random  # noqa: PLC0415
+        try:
+            await self._listen()
+        finally:
+            self.connected.clear()
 
+    async def _listen(self) -> None:
         rng = random.Random()
         failures = 0
         while True:
@@ -68,12 +83,16 @@ class Notifier:
                         await conn.execute(*self._setup)
                     failures = 0
                     self.connected.set()
-                    self._on_connect()
-                    async for note in conn.notifies():
-                        if self._control is not None and note.channel == self._control[0]:
-                            self._control[1](note.payload)
-                        else:
-                            self._on_wakeup(parse_payload(note.payload))
+                    try:
+                        self._on_connect()
+                        async for note in conn.notifies():
+                            if self._control is not None and note.channel == self._control[0]:
+                                self._control[1](note.payload)
+                            else:
+                                self._on_wakeup(parse_payload(note.payload))
+                    finally:
+                        # Before the connection (and the lock) goes: no claim after it.
+                        self.connected.clear()
             except psycopg.OperationalError as exc:
                 self.connected.clear()
                 failures += 1

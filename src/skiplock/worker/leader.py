@@ -1,0 +1,428 @@
+"""The duties done once for the whole fleet, by the elected leader, each a service.
+
+Election decides who leads; rescue, admission, cron and history act only while this
+worker leads. Promotion and the cursor probe run on every worker: promotion makes this
+worker's retries due on time, the probe serves this worker's own claim cursors.
+
+Every statement here runs on the maintenance pool, whose connections bound each
+statement (timeouts.MAINTENANCE): a user's transaction holding a row or a key one of them
+needs ends that pass, which is tried again on the next one. It never delays heartbeats
+(their own connection) nor the other duties (their own loops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+from skiplock import history
+from skiplock.config import notify_channel
+from skiplock.cursor import ClaimCursor
+from skiplock.leadership import Leadership
+from skiplock.periodic import enqueue_due
+from skiplock.sql import claim, keys, maintenance, render
+from skiplock.waiting import wait_event
+from skiplock.worker.supervisor import PeriodicService, describe
+from skiplock.worker.timeouts import MAINTENANCE
+
+if TYPE_CHECKING:
+    from skiplock.app import App
+
+log = logging.getLogger("skiplock.worker.leader")
+
+Pool = AsyncConnectionPool[Any]
+
+# Keys remembered between admission passes; past this, one full pass instead.
+ADMIT_KEYS_MAX = 1000
+
+
+class Election(PeriodicService):
+    """Become or stay leader (LEADER_ELECT). Leaders renew at a third of the ttl,
+    followers try about every ``follower_every`` seconds. A failed attempt gives up
+    leadership at once: a leader that cannot reach its row must not act as one."""
+
+    name = "election"
+    log = log
+
+    def __init__(
+        self,
+        pool: Pool,
+        schema: str,
+        worker_id: UUID,
+        leadership: Leadership,
+        *,
+        follower_every: float,
+        on_elected: Callable[[], None],
+    ) -> None:
+        self._pool = pool
+        self._worker_id = worker_id
+        self.leadership = leadership
+        self._follower_every = follower_every
+        self._on_elected = on_elected
+        self._elect = render(maintenance.LEADER_ELECT, schema)
+
+    async def run_once(self) -> None:
+        now = asyncio.get_running_loop().time()
+        was_leader = self.leadership.is_leader(now)
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                self._elect, {"worker_id": self._worker_id, "ttl": self.leadership.ttl}
+            )
+            won = await cur.fetchone() is not None
+        self.leadership.record(won=won, asked_at=now)
+        if won and not was_leader:
+            self._on_elected()
+
+    def failed(self, exc: Exception) -> None:
+        self.leadership.lose()
+
+    async def pause(self) -> None:
+        now = asyncio.get_running_loop().time()
+        await asyncio.sleep(self.leadership.next_attempt_in(now, self._follower_every))
+
+
+class LeaderService(PeriodicService):
+    """A duty done only while this worker leads, a pass every ``tick`` seconds."""
+
+    log = log
+
+    def __init__(self, leadership: Leadership, tick: float) -> None:
+        self.leadership = leadership
+        self._tick = tick
+
+    def leading(self) -> bool:
+        return self.leadership.is_leader(asyncio.get_running_loop().time())
+
+    async def pause(self) -> None:
+        await asyncio.sleep(self._tick)
+
+
+class Rescue(LeaderService):
+    """Give back the jobs of dead workers (by liveness lock, every pass) and of expired
+    leases (every ``expired_every``: that scan walks the running index, which grows while
+    VACUUM is held back)."""
+
+    name = "rescue"
+
+    def __init__(
+        self,
+        pool: Pool,
+        schema: str,
+        leadership: Leadership,
+        *,
+        tick: float,
+        expired_every: float,
+        on_rescued: Callable[[int], None],
+    ) -> None:
+        super().__init__(leadership, tick)
+        self._pool = pool
+        self._params = {"channel": notify_channel(schema)}
+        self._expired_every = expired_every
+        self._on_rescued = on_rescued
+        self._gone = render(maintenance.WORKERS_GONE, schema)
+        self._orphaned = render(maintenance.JOB_RESCUE_ORPHANED, schema)
+        self._expired = [
+            render(maintenance.JOB_RESCUE_EXPIRED, schema),
+            render(maintenance.JOB_CANCEL_ABANDONED, schema),
+        ]
+        self._next_expired = 0.0
+
+    async def run_once(self) -> None:
+        if not self.leading():
+            return
+        now = asyncio.get_running_loop().time()
+        statements = []
+        if now >= self._next_expired:
+            # Both walk the running index; every half lease is soon enough for a hung
+            # worker's jobs and for cancellations whose worker is gone.
+            self._next_expired = now + self._expired_every
+            statements = self._expired
+        rescued = 0
+        async with self._pool.connection() as conn:
+            async with conn.transaction():
+                cur = await conn.execute(self._gone)
+                gone = [row[0] for row in await cur.fetchall()]
+                if gone:
+                    cur = await conn.execute(self._orphaned, {**self._params, "workers": gone})
+                    rescued += sum(int(row[1]) for row in await cur.fetchall())
+            for statement in statements:
+                # Each statement notifies the queues it refilled (and so us).
+                cur = await conn.execute(statement, self._params)
+                rescued += sum(int(row[1]) for row in await cur.fetchall())
+        if rescued:
+            self._on_rescued(rescued)
+            log.warning("rescued %d jobs of dead workers or expired leases", rescued)
+
+
+class Cron(LeaderService):
+    """Enqueue the periodic tasks' due ticks (periodic.enqueue_due)."""
+
+    name = "cron"
+
+    def __init__(self, pool: Pool, app: App, leadership: Leadership, *, tick: float) -> None:
+        super().__init__(leadership, tick)
+        self._pool = pool
+        self._app = app
+
+    async def run_once(self) -> None:
+        if not self._app.periodics or not self.leading():
+            return
+        async with self._pool.connection() as conn:
+            await enqueue_due(conn, self._app)
+
+
+class History(LeaderService):
+    """Partitions of the history table ahead, expired ones dropped, every ``every``
+    seconds, on a connection of its own in a thread (the DDL is synchronous code)."""
+
+    name = "history"
+
+    def __init__(
+        self,
+        database_url: str,
+        schema: str,
+        leadership: Leadership,
+        *,
+        tick: float,
+        every: float,
+        retention: timedelta | None,
+    ) -> None:
+        super().__init__(leadership, tick)
+        self._url = database_url
+        self._schema = schema
+        self._every = every
+        self._retention = retention
+        self._next = 0.0
+
+    async def run_once(self) -> None:
+        now = asyncio.get_running_loop().time()
+        if now < self._next or not self.leading():
+            return
+        self._next = now + self._every
+        report = await asyncio.to_thread(self._maintain)
+        if report.created or report.dropped or report.pruned_rows:
+            log.info(
+                "history: created %s, dropped %s, pruned %d rows",
+                report.created,
+                report.dropped,
+                report.pruned_rows,
+            )
+
+    def _maintain(self) -> history.HistoryReport:
+        with psycopg.connect(
+            self._url, autocommit=True, options=MAINTENANCE.options(""), connect_timeout=10
+        ) as conn:
+            return history.maintain(conn, self._schema, retention=self._retention)
+
+
+class Admission:
+    """As leader, admit waiting keyed jobs: the keys notifications name at once,
+    rate-limited keys when their window makes room, and every key with waiting jobs
+    every ``every`` seconds (and on taking over), which covers notifications lost while
+    the listener reconnected."""
+
+    name = "admission"
+
+    def __init__(
+        self,
+        pool: Pool,
+        schema: str,
+        leadership: Leadership,
+        *,
+        every: float,
+        retry_after: float,
+        on_admitted: Callable[[int], None],
+    ) -> None:
+        self._pool = pool
+        self.leadership = leadership
+        self._every = every
+        self._retry_after = retry_after
+        self._on_admitted = on_admitted
+        self._lock = render(keys.ADMIT_LOCK, schema)
+        self._admit = render(keys.ADMIT, schema)
+        self._admit_all = render(keys.ADMIT_ALL, schema)
+        self._any_waiting = render(keys.ANY_WAITING, schema)
+        self._rate_next = render(keys.KEY_RATE_NEXT, schema)
+        self._params = {"lock": f"{schema}.admit", "channel": notify_channel(schema)}
+        self._keys: set[str] = set()
+        self._all = True
+        self._wake = asyncio.Event()
+
+    def ask(self, key: str) -> None:
+        """A notification asked for ``key`` (empty: for every key)."""
+        # Only the leader acts on these; the others forget them (a new leader starts
+        # with a full pass). A flood is cheaper as one full pass than key by key.
+        if not self.leadership.is_leader(asyncio.get_running_loop().time()):
+            return
+        if key and len(self._keys) < ADMIT_KEYS_MAX:
+            self._keys.add(key)
+        else:
+            self._all = True
+        self._wake.set()
+
+    def ask_all(self) -> None:
+        """Admit every waiting key at the next pass (on taking over, after a reconnect)."""
+        self._all = True
+        self._wake.set()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_full = loop.time()
+        rate_due: dict[str, float] = {}  # rate-limited key -> when its window makes room
+        while True:
+            wake_at = min([next_full, *rate_due.values()])
+            await wait_event(self._wake, wake_at - loop.time())
+            self._wake.clear()
+            now = loop.time()
+            if not self.leadership.is_leader(now):
+                self._keys.clear()
+                self._all = True
+                rate_due.clear()
+                next_full = now + self._every
+                continue
+            asked: list[str] | None = sorted(
+                self._keys | {key for key, at in rate_due.items() if at <= now}
+            )
+            self._keys = set()
+            if self._all or now >= next_full:
+                asked = None
+                self._all = False
+                next_full = now + self._every
+            elif not asked:
+                continue
+            try:
+                admitted, rate_next = await self.admit_pass(asked)
+            except psycopg.Error as exc:
+                self._all = True
+                log.warning("admitting keyed jobs failed (%s); will retry", describe(exc))
+                await asyncio.sleep(self._retry_after)
+                continue
+            rate_due = {key: loop.time() + seconds for key, seconds in rate_next.items()}
+            if admitted:
+                self._on_admitted(admitted)
+                log.debug("admitted %d keyed jobs", admitted)
+
+    async def admit_pass(self, asked: list[str] | None) -> tuple[int, dict[str, float]]:
+        """One admission (of the ``asked`` keys, None: of every waiting key): the jobs
+        admitted, and the rate-limited keys with the seconds until their window makes
+        room. The whole database side of this service."""
+        async with self._pool.connection() as conn:
+            if asked is None:
+                cur = await conn.execute(self._any_waiting)
+                row = await cur.fetchone()
+                if row is None or not row[0]:
+                    return 0, {}
+            async with conn.transaction():
+                await conn.execute(self._lock, self._params)
+                if asked is None:
+                    cur = await conn.execute(self._admit_all, self._params)
+                else:
+                    cur = await conn.execute(self._admit, {**self._params, "keys": asked})
+                admitted = sum(int(r[1]) for r in await cur.fetchall())
+            cur = await conn.execute(self._rate_next)
+            rate_next = {
+                str(key): max(float(seconds), 0.001) for key, seconds in await cur.fetchall()
+            }
+        return admitted, rate_next
+
+
+class Promotion(PeriodicService):
+    """Make scheduled and retryable jobs available when due, sleeping until the next one
+    comes due (at most ``poll_interval``) or until this worker writes a retry (``wake``)."""
+
+    name = "promotion"
+    log = log
+    BATCH = 1000
+
+    def __init__(self, pool: Pool, schema: str, *, poll_interval: float) -> None:
+        self._pool = pool
+        self._poll_interval = poll_interval
+        self.wake = asyncio.Event()
+        self._promote = render(maintenance.JOB_PROMOTE_DUE, schema)
+        self._next_due = render(maintenance.JOB_NEXT_DUE, schema)
+        self._channel = notify_channel(schema)
+        self._sleep_for = poll_interval
+
+    async def run_once(self) -> None:
+        self._sleep_for = self._poll_interval
+        self.wake.clear()
+        async with self._pool.connection() as conn:
+            while True:
+                cur = await conn.execute(
+                    self._promote, {"limit": self.BATCH, "channel": self._channel}
+                )
+                promoted = sum(int(row[1]) for row in await cur.fetchall())
+                if promoted < self.BATCH:
+                    break
+            cur = await conn.execute(self._next_due)
+            row = await cur.fetchone()
+        if row is not None and row[0] is not None:
+            self._sleep_for = min(max(float(row[0]), 0.001), self._poll_interval)
+
+    async def pause(self) -> None:
+        await wait_event(self.wake, self._sleep_for)
+        self._sleep_for = self._poll_interval
+
+
+class CursorProbe(PeriodicService):
+    """Every ``every`` seconds, look behind each queue's claim cursor for a ready job no
+    notification announced, and rewind to it (off the claim path: see cursor.py)."""
+
+    name = "probe"
+    log = log
+
+    def __init__(
+        self,
+        pool: Pool,
+        schema: str,
+        cursors: dict[str, ClaimCursor],
+        excluded: list[str],
+        *,
+        every: float,
+        on_found: Callable[[str], None],
+    ) -> None:
+        self._pool = pool
+        self._cursors = cursors
+        self._excluded = excluded
+        self._every = every
+        self._on_found = on_found
+        self._behind = render(claim.JOB_BEHIND_CURSOR, schema)
+
+    async def pause(self) -> None:
+        await asyncio.sleep(self._every)
+
+    async def run(self) -> None:
+        await self.pause()  # claims have just swept: nothing to look for yet
+        await super().run()
+
+    async def run_once(self) -> None:
+        for queue, cursor in self._cursors.items():
+            position = cursor.position
+            if position is None:
+                continue
+            try:
+                async with self._pool.connection() as conn:
+                    cur = await conn.execute(
+                        self._behind,
+                        {
+                            "queue": queue,
+                            "exclude_tasks": self._excluded,
+                            "after_priority": position[0],
+                            "after_run_at": position[1],
+                            "after_id": position[2],
+                        },
+                    )
+                    found = await cur.fetchone()
+            except psycopg.Error as exc:
+                log.warning("cursor probe failed (%s); will retry", describe(exc))
+                continue
+            if found is not None:
+                cursor.rewind_to((found[0], found[1], found[2]))
+                self._on_found(queue)
