@@ -408,6 +408,9 @@ def _print_status(queues: list[dict[str, Any]], workers: list[dict[str, Any]]) -
             + ("  leader" if w["leader"] else "")
             + ("" if w["holds_lock"] else "  (lease only)")
         )
+        restarted = {name: n for name, n in sorted(w["service_restarts"].items()) if n}
+        if restarted:
+            print("    restarts: " + ", ".join(f"{name} {n}" for name, n in restarted.items()))
 
 
 def cmd_status(args: argparse.Namespace) -> int:

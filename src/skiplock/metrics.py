@@ -36,6 +36,9 @@ class NullMetrics:
     def rescued(self, count: int) -> None:
         return None
 
+    def service_restarted(self, service: str) -> None:
+        return None
+
 
 class PrometheusMetrics(NullMetrics):
     def __init__(
@@ -84,6 +87,12 @@ class PrometheusMetrics(NullMetrics):
             "Jobs of dead workers or expired leases given back",
             registry=self.registry,
         )
+        self._restarts = Counter(
+            "skiplock_service_restarts",
+            "Restarts of a worker service after it raised (the traceback is in the log)",
+            ["service"],
+            registry=self.registry,
+        )
         self.queues = QueueCollector(database_url, schema, refresh_seconds)
         self.registry.register(self.queues)
 
@@ -101,6 +110,9 @@ class PrometheusMetrics(NullMetrics):
 
     def rescued(self, count: int) -> None:
         self._rescued.inc(count)
+
+    def service_restarted(self, service: str) -> None:
+        self._restarts.labels(service).inc()
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         from prometheus_client import start_http_server  # noqa: PLC0415

@@ -191,6 +191,7 @@ WORKER_KEYS = {
     "concurrency",
     "holds_lock",
     "started_at",
+    "service_restarts",
     "last_seen_seconds",
     "leader",
 }

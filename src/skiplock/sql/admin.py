@@ -201,7 +201,7 @@ ORDER BY queue
 
 # Who is working: one row per registered worker process.
 WORKER_LIST = """
-SELECT id, host, pid, queues, concurrency, holds_lock, started_at,
+SELECT id, host, pid, queues, concurrency, holds_lock, started_at, service_restarts,
        extract(epoch FROM now() - last_seen_at)::float8 AS last_seen_seconds,
        EXISTS (SELECT 1 FROM {leader} AS l
                WHERE l.worker_id = w.id AND l.expires_at > now()) AS leader

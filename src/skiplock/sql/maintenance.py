@@ -23,9 +23,15 @@ WORKER_LOCK = """
 SELECT pg_advisory_lock(hashtextextended(%(id)s::text, 0))
 """
 
+# SKIP LOCKED: a registration that another transaction has locked (an application's
+# SELECT ... FOR UPDATE, say) must not make the leader wait; that worker is found gone on
+# a later pass, and the others' jobs are rescued meanwhile.
 WORKERS_GONE = """
 DELETE FROM {workers}
-WHERE holds_lock AND pg_try_advisory_xact_lock(hashtextextended(id::text, 0))
+WHERE id = ANY(ARRAY(
+    SELECT id FROM {workers}
+    WHERE holds_lock AND pg_try_advisory_xact_lock(hashtextextended(id::text, 0))
+    FOR UPDATE SKIP LOCKED))
 RETURNING id
 """
 
@@ -167,11 +173,14 @@ ON CONFLICT (id) DO UPDATE SET last_seen_at = now()
 """
 
 # The rescuer removes the registration of a worker it took for dead (its listener was
-# reconnecting, say); touching re-registers it.
+# reconnecting, say); touching re-registers it. Each touch also reports how often each of
+# the worker's services was restarted (0013).
 WORKER_TOUCH = """
-INSERT INTO {workers} (id, host, pid, queues, concurrency, holds_lock)
-VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(concurrency)s, %(holds_lock)s)
-ON CONFLICT (id) DO UPDATE SET last_seen_at = now()
+INSERT INTO {workers} (id, host, pid, queues, concurrency, holds_lock, service_restarts)
+VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(concurrency)s, %(holds_lock)s,
+        %(service_restarts)s)
+ON CONFLICT (id) DO UPDATE
+SET last_seen_at = now(), service_restarts = EXCLUDED.service_restarts
 """
 
 WORKER_DEREGISTER = """

@@ -27,6 +27,7 @@ from typing import Any
 from uuid import UUID, uuid4
 
 import psycopg
+from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from skiplock import executor
@@ -228,7 +229,7 @@ class Worker:
         self._gate = asyncio.Semaphore(self.concurrency) if self.prefetch else None
         wake = self._wake = {queue: asyncio.Event() for queue in self.queues}
         cursors = {queue: ClaimCursor() for queue in self.queues}
-        supervisor = self.supervisor = Supervisor()
+        supervisor = self.supervisor = Supervisor(on_restart=self.metrics.service_restarted)
 
         promotion = Promotion(maintenance_pool, schema, poll_interval=self.poll_interval)
         self.completer = completer = Completer(
@@ -857,6 +858,8 @@ class Worker:
             "queues": self.queues,
             "concurrency": self.concurrency,
             "holds_lock": self.liveness_lock,
+            # Only the services that were restarted: a healthy worker reports {}.
+            "service_restarts": Jsonb({k: n for k, n in self.service_restarts.items() if n}),
         }
 
     async def _register(self, pool: AsyncConnectionPool[Any]) -> None:
