@@ -212,7 +212,10 @@ ROBUST = {
     ),
     "snooze": (complete.JOB_SNOOZE_MANY_IF_LEASED, fenced(delay=1.0)),
     "cancel": (complete.JOB_CANCEL_MANY_IF_LEASED, fenced()),
-    "heartbeat": (complete.JOB_EXTEND_LEASES, {**fenced(), "lease_seconds": 30.0}),
+    "heartbeat": (
+        maintenance.JOB_EXTEND_LEASES_SKIP_LOCKED,
+        {**fenced(), "lease_seconds": 30.0},
+    ),
     "release": (complete.JOB_RELEASE_MANY_IF_LEASED, {**fenced(), "channel": "c"}),
     "promote": (maintenance.JOB_PROMOTE_DUE, {"limit": 1000, "channel": "c"}),
     "admit": (keys.ADMIT, {"keys": ["k1", "k2"], "channel": "c"}),

@@ -91,3 +91,50 @@ def test_heartbeats_continue_while_an_app_transaction_holds_a_row_the_leader_nee
     assert worker.stats.lost_leases == 0
     assert worker.stats.rescued == 0
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+@pytest.mark.timeout(90)
+def test_a_running_job_locked_by_an_app_holds_up_no_other_lease(
+    ops: Ops, run_worker: StartWorker
+) -> None:
+    """An application transaction locks one of the worker's running jobs for longer than
+    the lease. The heartbeat does not wait for it: the worker's other job keeps its lease
+    extended, and the locked one is not taken for lost while the lock lasts."""
+    release = threading.Event()
+
+    @ops.app.task(name="long")
+    def long() -> None:
+        release.wait(60)
+
+    handle = run_worker(lease_seconds=LEASE, concurrency=2)
+    worker = handle.worker
+    with psycopg.connect(ops.url) as conn:
+        locked, other = long.enqueue(conn), long.enqueue(conn)
+    wait_until(
+        lambda: {ops.state_of(locked), ops.state_of(other)} == {"running"}, 10, "both to start"
+    )
+
+    try:
+        with ops.connect(autocommit=False) as app_conn:
+            app_conn.execute(
+                f'SELECT * FROM "{ops.schema}".jobs WHERE id = %s FOR UPDATE', (locked,)
+            )
+            held_at = ops.now()
+            wait_until(
+                lambda: (
+                    (lease_expires_at(ops, other) or held_at)
+                    >= held_at + timedelta(seconds=2 * LEASE)
+                ),
+                20,
+                "the other job's heartbeat while one row is locked",
+            )
+            assert worker.stats.lost_leases == 0
+            app_conn.rollback()
+    finally:
+        release.set()
+
+    wait_until(lambda: ops.state_of(other) == "completed", 20, "the other job to complete")
+    assert ops.rows("SELECT attempts, errors FROM {history} WHERE id = %s", (other,)) == [(1, [])]
+    # The locked job's own lease could not be extended while it was locked: it completes,
+    # on this attempt or, if the leader found its lease expired first, on a later one.
+    wait_until(lambda: ops.state_of(locked) == "completed", 30, "the locked job to complete")

@@ -183,6 +183,37 @@ ON CONFLICT (id) DO UPDATE
 SET last_seen_at = now(), service_restarts = EXCLUDED.service_restarts
 """
 
+# The heartbeat: push the lease forward for every job this worker still holds. A job
+# missing from the result was rescued (or finished): its handler should stop. A job
+# returned with a cancel request is cancelled, in case its notification was missed.
+#
+# SKIP LOCKED: a row another transaction has locked (an application's SELECT ... FOR
+# UPDATE on a running job, a rescue in progress) is not waited for, or one such lock would
+# hold up the leases of every job of this worker. Such a job still comes back, read from
+# the snapshot, with `extended` false: it is still ours, its lease is extended at a later
+# beat (and if a rescue was what held it, the next beat finds it gone).
+JOB_EXTEND_LEASES_SKIP_LOCKED = """
+WITH held AS (
+    SELECT j.id, j.cancel_requested_at IS NOT NULL AS cancel
+    FROM {jobs} AS j
+    WHERE j.id = ANY(%(ids)s::bigint[])
+      AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
+      AND j.worker_id = %(worker_id)s
+), extended AS (
+    UPDATE {jobs} AS j
+    SET lease_expires_at = now() + %(lease_seconds)s * interval '1 second'
+    WHERE j.id = ANY(ARRAY(
+        SELECT k.id FROM {jobs} AS k
+        WHERE k.id = ANY(ARRAY(SELECT id FROM held))
+        FOR UPDATE SKIP LOCKED))
+      AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
+      AND j.worker_id = %(worker_id)s
+    RETURNING j.id
+)
+SELECT held.id, held.cancel, EXISTS (SELECT 1 FROM extended WHERE extended.id = held.id)
+FROM held
+"""
+
 WORKER_DEREGISTER = """
 DELETE FROM {workers} WHERE id = %(id)s
 """

@@ -63,11 +63,14 @@ class Heartbeat(PeriodicService):
         self._on_lost = on_lost
         self._options = heartbeat_bounds(every).options()
         self._touch = render(maintenance.WORKER_TOUCH, schema)
-        self._extend = render(complete.JOB_EXTEND_LEASES, schema)
+        self._extend = render(maintenance.JOB_EXTEND_LEASES_SKIP_LOCKED, schema)
         self._progress = render(complete.JOB_PROGRESS_SET, schema)
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._next_beat = 0.0
         self.beats = 0
+        # Jobs whose lease the last beats could not extend (their row locked elsewhere):
+        # warned about once each.
+        self._locked: set[int] = set()
 
     async def run(self) -> None:
         try:
@@ -114,6 +117,7 @@ class Heartbeat(PeriodicService):
         await conn.execute(self._touch, self._registration())
         self.beats += 1
         if not self._leased:
+            self._locked.clear()
             return
         held = dict(self._leased)
         cur = await conn.execute(
@@ -126,9 +130,19 @@ class Heartbeat(PeriodicService):
         )
         rows = await cur.fetchall()
         kept = {row[0] for row in rows}
-        for job_id, asked in rows:
+        for job_id, asked, extended in rows:
             if asked:
                 self._request_cancel(job_id)  # its notification may have been missed
+            if not extended and job_id not in self._locked:
+                log.warning(
+                    "job %s: its row is locked by another transaction; its lease is "
+                    "extended once the lock is released",
+                    job_id,
+                )
+            elif extended:
+                self._locked.discard(job_id)
+            if not extended:
+                self._locked.add(job_id)
         for job_id, (attempt, task) in held.items():
             if job_id in kept or self._leased.get(job_id, (None,))[0] != attempt:
                 continue

@@ -342,7 +342,7 @@ class Worker:
         )
         try:
             await self._until_stopped(listener.connected.wait())
-            await self._register(pool)
+            await self._register(maintenance_pool)
             await self._read_limits(pool)
             for service in services:
                 supervisor.start(service)
@@ -365,8 +365,10 @@ class Worker:
             # Heartbeats and the completer keep running while jobs finish.
             await self._drain(completer, pool)
             await supervisor.stop()
+            # Bounded like every maintenance statement: a user's lock on the leader row
+            # must not keep the process from exiting (the row then simply expires).
             with contextlib.suppress(psycopg.Error):
-                async with pool.connection() as conn:
+                async with maintenance_pool.connection() as conn:
                     await conn.execute(
                         render(maintenance.WORKER_DEREGISTER, schema), {"id": self.id}
                     )
