@@ -45,6 +45,7 @@ from skiplock.sql import claim, complete, maintenance, render
 from skiplock.tasks import MAX_QUEUE_NAME, check_name
 from skiplock.types import ClaimedJob
 from skiplock.waiting import wait_event
+from skiplock.worker import limits as limits_module
 from skiplock.worker.heartbeat import Heartbeat
 from skiplock.worker.leader import (
     Admission,
@@ -55,6 +56,7 @@ from skiplock.worker.leader import (
     Promotion,
     Rescue,
 )
+from skiplock.worker.limits import QueueLimits
 from skiplock.worker.listener import Listener
 from skiplock.worker.producer import Producer, Slots
 from skiplock.worker.supervisor import Every, Loop, Service, Supervisor
@@ -65,8 +67,6 @@ log = logging.getLogger("skiplock.worker")
 FINAL_WRITES_SECONDS = 15.0
 # Connections for the maintenance services: at most one each at a time.
 MAINTENANCE_POOL_SIZE = 7
-# How often queue limits are re-read when no 'limits' message arrives.
-LIMITS_REFRESH_SECONDS = 5.0
 STARTUP_RETRY = RetryPolicy(base=0.5, factor=2.0, cap=15.0, jitter=0.5)
 
 
@@ -162,10 +162,8 @@ class Worker:
         self._progress: dict[int, tuple[int, str]] = {}
         self._abandon = asyncio.Event()
         # This worker's queues that have a concurrency or rate limit, and their wake-ups.
-        self._governed: set[str] = set()
         self._wake: dict[str, asyncio.Event] = {}
-        self._limits_reading: asyncio.Task[None] | None = None
-        self._pool: AsyncConnectionPool[Any] | None = None
+        self._limits: QueueLimits | None = None
         # Sync handlers still running when shutdown gave up on them. Their threads cannot
         # be stopped, and Python waits for them at exit: the CLI exits hard instead.
         self.abandoned_threads = 0
@@ -223,11 +221,11 @@ class Worker:
             sync_pool.open()
         await pool.open()
         await maintenance_pool.open()
-        self._pool = pool
         threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="skiplock-job")
         slots = Slots(self.concurrency + self.prefetch)
         self._gate = asyncio.Semaphore(self.concurrency) if self.prefetch else None
         wake = self._wake = {queue: asyncio.Event() for queue in self.queues}
+        limits = self._limits = QueueLimits(pool, schema, self.queues, wake)
         cursors = {queue: ClaimCursor() for queue in self.queues}
         supervisor = self.supervisor = Supervisor(on_restart=self.metrics.service_restarted)
 
@@ -325,7 +323,7 @@ class Worker:
                 retention=self.history_retention,
             ),
             admission,
-            Every("limits", LIMITS_REFRESH_SECONDS, partial(self._read_limits, pool)),
+            Every("limits", limits_module.REFRESH_SECONDS, limits.read),
         ]
         supervisor.start(listener)
         supervisor.start(Loop("completer", completer.run))
@@ -343,7 +341,7 @@ class Worker:
         try:
             await self._until_stopped(listener.connected.wait())
             await self._register(maintenance_pool)
-            await self._read_limits(pool)
+            await limits.read()
             for service in services:
                 supervisor.start(service)
             for producer in producers:
@@ -517,6 +515,8 @@ class Worker:
     ) -> Any:
         full = render(claim.JOB_CLAIM_BATCH, self.app.schema)
         resumed = render(claim.JOB_CLAIM_BATCH_AFTER, self.app.schema)
+        limits = self._limits
+        assert limits is not None
 
         async def fetch(limit: int) -> int:
             params: dict[str, Any] = {
@@ -530,9 +530,9 @@ class Worker:
             if after is not None:
                 params.update(after_priority=after[0], after_run_at=after[1], after_id=after[2])
             statement = full if after is None else resumed
-            await self._limits_read()
-            if queue in self._governed:
-                rows = await self._claim_governed(pool, queue, statement, params)
+            await limits.settled()
+            if queue in limits:
+                rows = await limits.claim(queue, statement, params)
             else:
                 async with pool.connection() as conn:
                     cur = await conn.execute(statement, params)
@@ -551,65 +551,6 @@ class Worker:
             return len(rows)
 
         return fetch
-
-    async def _claim_governed(
-        self, pool: AsyncConnectionPool[Any], queue: str, statement: str, params: dict[str, Any]
-    ) -> list[Any]:
-        """Claim from a queue with limits: take turns on its row (QUEUE_GOVERN), then
-        claim no more than its concurrency limit and its rate allow."""
-        schema = self.app.schema
-        async with pool.connection() as conn, conn.transaction():
-            cur = await conn.execute(render(claim.QUEUE_GOVERN, schema), {"queue": queue})
-            settings = await cur.fetchone()
-            limit = int(params["limit"])
-            if settings is not None:
-                concurrency, room, frees_in = settings
-                if concurrency is not None:
-                    cur = await conn.execute(render(claim.QUEUE_RUNNING, schema), {"queue": queue})
-                    running = await cur.fetchone()
-                    assert running is not None
-                    limit = min(limit, concurrency - int(running[0]))
-                if room is not None:
-                    if room < limit and frees_in is not None:
-                        # The rate holds jobs back: claim again when the oldest start in
-                        # the window leaves it.
-                        asyncio.get_running_loop().call_later(
-                            max(float(frees_in), 0.001), self._wake[queue].set
-                        )
-                    limit = min(limit, int(room))
-            if limit <= 0:
-                return []
-            cur = await conn.execute(statement, {**params, "limit": limit})
-            rows: list[Any] = await cur.fetchall()
-            if settings is not None and settings[1] is not None and rows:
-                await conn.execute(
-                    render(claim.QUEUE_RATE_SPEND, schema), {"queue": queue, "spent": len(rows)}
-                )
-        return rows
-
-    async def _reserve_rate(self, queue: str, want: int) -> int:
-        """A transactional session holds its claim for the whole batch, so a limited
-        queue's rate is reserved first, in a short transaction of its own. A reservation
-        the session does not use is lost: the rate is never exceeded, at worst under-used.
-        (Transactional jobs are never 'running': the concurrency limit does not count them.)"""
-        assert self._pool is not None
-        schema = self.app.schema
-        async with self._pool.connection() as conn, conn.transaction():
-            cur = await conn.execute(render(claim.QUEUE_GOVERN, schema), {"queue": queue})
-            settings = await cur.fetchone()
-            if settings is None or settings[1] is None:
-                return want
-            room, frees_in = int(settings[1]), settings[2]
-            if room < want and frees_in is not None:
-                asyncio.get_running_loop().call_later(
-                    max(float(frees_in), 0.001), self._wake[queue].set
-                )
-            granted = max(min(want, room), 0)
-            if granted:
-                await conn.execute(
-                    render(claim.QUEUE_RATE_SPEND, schema), {"queue": queue, "spent": granted}
-                )
-        return granted
 
     async def _run_leased(self, job: ClaimedJob, threads: ThreadPoolExecutor, slots: Slots) -> None:
         cancel = self._cancel_flags[job.id] = CancelFlag()
@@ -708,48 +649,27 @@ class Worker:
             self.request_cancel(int(argument))
         elif verb == "admit" and self._admission is not None:
             self._admission.ask(argument)
-        elif verb == "limits" and self._pool is not None:
-            # Read them now; the next claim of any queue waits for this read, so jobs
-            # enqueued after the change committed are claimed under it.
-            self._limits_reading = asyncio.get_running_loop().create_task(
-                self._read_limits(self._pool)
-            )
-
-    async def _limits_read(self) -> None:
-        reading = self._limits_reading
-        if reading is not None and not reading.done():
-            with contextlib.suppress(Exception):
-                await asyncio.shield(reading)
-
-    # -- keys and limits ---------------------------------------------------------------
-
-    async def _read_limits(self, pool: AsyncConnectionPool[Any]) -> None:
-        """Which of this worker's queues claim through the limited path."""
-        async with pool.connection() as conn:
-            cur = await conn.execute(
-                render(claim.QUEUE_LIMITS, self.app.schema), {"queues": self.queues}
-            )
-            governed = {str(r[0]) for r in await cur.fetchall()}
-        for queue in governed ^ self._governed:
-            self._wake[queue].set()  # claim at once under the new rules
-        self._governed = governed
+        elif verb == "limits" and self._limits is not None:
+            self._limits.read_soon()
 
     def _flushed(self, batch: int, refused: int) -> None:
         self.metrics.flushed(batch, refused)
-        # A limited queue may have held jobs back for want of room that just freed up.
-        for queue in self._governed:
-            self._wake[queue].set()
+        if self._limits is not None:
+            self._limits.room_freed()
 
     # -- transactional mode ------------------------------------------------------------
 
     def _session_producer(
         self, queue: str, slots: Slots, wake: asyncio.Event, start: Any, *, in_thread: bool
     ) -> Producer:
+        limits = self._limits
+        assert limits is not None
+
         async def fetch(limit: int) -> int:
             batch = self.transactional_batch
-            await self._limits_read()
-            if queue in self._governed:
-                batch = await self._reserve_rate(queue, batch)
+            await limits.settled()
+            if queue in limits:
+                batch = await limits.reserve(queue, batch)
                 if batch <= 0:
                     return 0
             claimed: asyncio.Future[int] = asyncio.get_running_loop().create_future()
