@@ -59,6 +59,7 @@ from skiplock.worker.leader import (
 from skiplock.worker.limits import QueueLimits
 from skiplock.worker.listener import Listener
 from skiplock.worker.producer import Producer, Slots
+from skiplock.worker.sessions import TransactionalSessions
 from skiplock.worker.supervisor import Every, Loop, Service, Supervisor
 from skiplock.worker.timeouts import MAINTENANCE
 
@@ -155,8 +156,7 @@ class Worker:
         self._loop: asyncio.AbstractEventLoop | None = None
         # Lease-mode jobs in flight: id -> (attempt, asyncio task running it).
         self._leased: dict[int, tuple[int, asyncio.Task[None]]] = {}
-        self._sessions: set[asyncio.Task[None]] = set()
-        self._sync_sessions: set[asyncio.Task[None]] = set()
+        self._transactional: TransactionalSessions | None = None
         self._cancel_flags: dict[int, CancelFlag] = {}
         self._job_tasks: dict[int, str] = {}
         self._progress: dict[int, tuple[int, str]] = {}
@@ -226,6 +226,16 @@ class Worker:
         self._gate = asyncio.Semaphore(self.concurrency) if self.prefetch else None
         wake = self._wake = {queue: asyncio.Event() for queue in self.queues}
         limits = self._limits = QueueLimits(pool, schema, self.queues, wake)
+        self._transactional = TransactionalSessions(
+            self.app,
+            limits,
+            batch=self.transactional_batch,
+            poll_interval=self.poll_interval,
+            rng=self._rng,
+            on_claimed=self._claimed,
+            on_completed=self._transactional_completed,
+            on_finished=self._transactional_finished,
+        )
         cursors = {queue: ClaimCursor() for queue in self.queues}
         supervisor = self.supervisor = Supervisor(on_restart=self.metrics.service_restarted)
 
@@ -393,6 +403,8 @@ class Worker:
     ) -> list[Producer]:
         """Per queue, a producer of lease-mode claims, and one per kind of transactional
         session (async, sync) when the queue has such tasks."""
+        sessions = self._transactional
+        assert sessions is not None
         producers: list[Producer] = []
         for queue in self.queues:
             wake = self._wake[queue]
@@ -409,21 +421,21 @@ class Worker:
             )
             if tx_async[queue]:
                 producers.append(
-                    self._session_producer(
+                    sessions.producer(
                         queue,
                         slots,
                         wake,
-                        self._async_session(pool, queue, tx_async[queue], slots),
+                        sessions.async_session(pool, queue, tx_async[queue], slots),
                         in_thread=False,
                     )
                 )
             if tx_sync[queue] and sync_pool is not None:
                 producers.append(
-                    self._session_producer(
+                    sessions.producer(
                         queue,
                         slots,
                         wake,
-                        self._sync_session(sync_pool, queue, tx_sync[queue], slots, threads),
+                        sessions.sync_session(sync_pool, queue, tx_sync[queue], slots, threads),
                         in_thread=True,
                     )
                 )
@@ -627,6 +639,13 @@ class Worker:
         pending, self._progress = self._progress, {}
         return pending
 
+    def _claimed(self, queue: str, count: int) -> None:
+        self.stats.claimed += count
+        self.metrics.claimed(queue, count)
+
+    def _transactional_completed(self, count: int) -> None:
+        self.stats.transactional_completed += count
+
     def _transactional_finished(self, job: ClaimedJob, kind: str, seconds: float) -> None:
         self.metrics.job_finished(job.queue, job.task, kind, seconds)
 
@@ -656,119 +675,6 @@ class Worker:
         self.metrics.flushed(batch, refused)
         if self._limits is not None:
             self._limits.room_freed()
-
-    # -- transactional mode ------------------------------------------------------------
-
-    def _session_producer(
-        self, queue: str, slots: Slots, wake: asyncio.Event, start: Any, *, in_thread: bool
-    ) -> Producer:
-        limits = self._limits
-        assert limits is not None
-
-        async def fetch(limit: int) -> int:
-            batch = self.transactional_batch
-            await limits.settled()
-            if queue in limits:
-                batch = await limits.reserve(queue, batch)
-                if batch <= 0:
-                    return 0
-            claimed: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-            slots.take(1)
-            session = asyncio.create_task(start(claimed, batch))
-            self._sessions.add(session)
-            session.add_done_callback(self._sessions.discard)
-            if in_thread:
-                self._sync_sessions.add(session)
-                session.add_done_callback(self._sync_sessions.discard)
-            got = await claimed
-            # A full batch means more may be waiting: start another session at once.
-            return limit if got >= self.transactional_batch else 0
-
-        return Producer(
-            f"{queue}/transactional/{'sync' if in_thread else 'async'}",
-            fetch,
-            slots,
-            wake,
-            batch_max=1,
-            poll_interval=self.poll_interval,
-            fetch_patience=0.0,
-        )
-
-    def _async_session(
-        self, pool: AsyncConnectionPool[Any], queue: str, tasks: list[str], slots: Slots
-    ) -> Any:
-        async def session(claimed: asyncio.Future[int], batch: int) -> None:
-            def on_claimed(n: int) -> None:
-                self.stats.claimed += n
-                self.metrics.claimed(queue, n)
-                claimed.set_result(n)
-
-            try:
-                async with pool.connection() as conn:
-                    done = await executor.run_transactional_async(
-                        self.app,
-                        conn,
-                        queue,
-                        tasks,
-                        batch,
-                        rng=self._rng,
-                        on_claimed=on_claimed,
-                        on_finished=self._transactional_finished,
-                    )
-                self.stats.transactional_completed += done
-            except BaseException as exc:
-                if not claimed.done():
-                    claimed.set_exception(exc)
-                elif not isinstance(exc, asyncio.CancelledError):
-                    log.exception("transactional session on %s failed; rolled back", queue)
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
-            finally:
-                slots.give(1)
-
-        return session
-
-    def _sync_session(
-        self,
-        pool: ConnectionPool[Any],
-        queue: str,
-        tasks: list[str],
-        slots: Slots,
-        threads: ThreadPoolExecutor,
-    ) -> Any:
-        loop = asyncio.get_running_loop()
-
-        def run_in_thread(claimed: asyncio.Future[int], batch: int) -> int:
-            def on_claimed(n: int) -> None:
-                self.stats.claimed += n
-                self.metrics.claimed(queue, n)
-                loop.call_soon_threadsafe(claimed.set_result, n)
-
-            with pool.connection() as conn:
-                return executor.run_transactional_sync(
-                    self.app,
-                    conn,
-                    queue,
-                    tasks,
-                    batch,
-                    rng=random.Random(),
-                    on_claimed=on_claimed,
-                    on_finished=self._transactional_finished,
-                )
-
-        async def session(claimed: asyncio.Future[int], batch: int) -> None:
-            try:
-                done = await loop.run_in_executor(threads, run_in_thread, claimed, batch)
-                self.stats.transactional_completed += done
-            except Exception as exc:
-                if not claimed.done():
-                    claimed.set_exception(exc)
-                else:
-                    log.exception("transactional session on %s failed; rolled back", queue)
-            finally:
-                slots.give(1)
-
-        return session
 
     # -- heartbeat, rescue, shutdown ---------------------------------------------------
 
@@ -822,7 +728,9 @@ class Worker:
             if entry is not None:
                 unfinished[job_id] = entry[0]
                 entry[1].cancel()
-        running = [task for _, task in self._leased.values()] + list(self._sessions)
+        sessions = self._transactional
+        assert sessions is not None
+        running = [task for _, task in self._leased.values()] + list(sessions.running)
         if running:
             finished = asyncio.ensure_future(
                 asyncio.wait(running, timeout=max(self.shutdown_timeout, 0.001))
@@ -839,8 +747,8 @@ class Worker:
                         self.abandoned_threads += 1  # a thread cannot be cancelled
                     del self._leased[job_id]
                     task.cancel()
-            for session in self._sessions:
-                if session in still and session in self._sync_sessions:
+            for session in list(sessions.running):
+                if session in still and session in sessions.in_threads:
                     self.abandoned_threads += 1
                 session.cancel()
         # Bounded: a write stuck behind a lock must not keep the process from exiting.
