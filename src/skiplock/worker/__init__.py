@@ -1,11 +1,14 @@
 """The worker process as small supervised services (see ``worker.py`` for how they fit).
 
 ``supervisor`` starts, restarts and counts the services; ``listener`` holds the LISTEN
-connection and the liveness lock; ``producer`` claims for free capacity; ``heartbeat``
-extends leases on a connection of its own; ``leader`` holds the duties of the elected
-leader (and promotion and the cursor probe, which every worker runs).
+connection and the liveness lock; ``producer`` claims for free capacity, lease-mode jobs
+then run in ``leased`` and transactional ones in ``sessions``, under the queue limits of
+``limits``; ``heartbeat`` extends leases on a connection of its own; ``leader`` holds the
+duties of the elected leader (and promotion and the cursor probe, which every worker
+runs); ``timeouts`` bounds their statements.
 """
 
-from skiplock.worker.worker import Worker, WorkerStats
+from skiplock.worker.stats import WorkerStats
+from skiplock.worker.worker import Worker
 
 __all__ = ["Worker", "WorkerStats"]

@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import random
 import signal
 import socket
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import timedelta
-from functools import partial
 from typing import Any
 from uuid import UUID, uuid4
 
@@ -32,9 +28,8 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from skiplock import executor
 from skiplock.app import App
-from skiplock.completer import Completer, Outcome, fenced_batch
+from skiplock.completer import Completer, fenced_batch
 from skiplock.config import control_channel, notify_channel
-from skiplock.context import CancelFlag
 from skiplock.cursor import ClaimCursor, Wakeup
 from skiplock.errors import ConfigurationError, SchemaNotReadyError
 from skiplock.leadership import Leadership
@@ -45,7 +40,6 @@ from skiplock.sql import claim, complete, maintenance, render
 from skiplock.tasks import MAX_QUEUE_NAME, check_name
 from skiplock.types import ClaimedJob
 from skiplock.waiting import wait_event
-from skiplock.worker import limits as limits_module
 from skiplock.worker.heartbeat import Heartbeat
 from skiplock.worker.leader import (
     Admission,
@@ -56,10 +50,13 @@ from skiplock.worker.leader import (
     Promotion,
     Rescue,
 )
+from skiplock.worker.leased import LeasedJobs
+from skiplock.worker.limits import REFRESH_SECONDS as LIMITS_REFRESH_SECONDS
 from skiplock.worker.limits import QueueLimits
 from skiplock.worker.listener import Listener
 from skiplock.worker.producer import Producer, Slots
 from skiplock.worker.sessions import TransactionalSessions
+from skiplock.worker.stats import WorkerStats
 from skiplock.worker.supervisor import Every, Loop, Service, Supervisor
 from skiplock.worker.timeouts import MAINTENANCE
 
@@ -69,15 +66,6 @@ FINAL_WRITES_SECONDS = 15.0
 # Connections for the maintenance services: at most one each at a time.
 MAINTENANCE_POOL_SIZE = 7
 STARTUP_RETRY = RetryPolicy(base=0.5, factor=2.0, cap=15.0, jitter=0.5)
-
-
-@dataclass
-class WorkerStats:
-    claimed: int = 0
-    lost_leases: int = 0
-    rescued: int = 0
-    transactional_completed: int = 0
-    admitted: int = 0
 
 
 class Worker:
@@ -140,8 +128,6 @@ class Worker:
         # Jobs claimed beyond free capacity, waiting here (leased and heartbeated) for a
         # slot: their start then costs no claim round trip. Off unless asked for.
         self.prefetch = prefetch
-        self._gate: asyncio.Semaphore | None = None
-        self._at_gate: set[int] = set()
         self.id: UUID = uuid4()
         self._rng = random.Random()
         self.leadership = Leadership(leader_ttl, self._rng)
@@ -154,12 +140,8 @@ class Worker:
         self._admission: Admission | None = None
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Lease-mode jobs in flight: id -> (attempt, asyncio task running it).
-        self._leased: dict[int, tuple[int, asyncio.Task[None]]] = {}
+        self._jobs: LeasedJobs | None = None
         self._transactional: TransactionalSessions | None = None
-        self._cancel_flags: dict[int, CancelFlag] = {}
-        self._job_tasks: dict[int, str] = {}
-        self._progress: dict[int, tuple[int, str]] = {}
         self._abandon = asyncio.Event()
         # This worker's queues that have a concurrency or rate limit, and their wake-ups.
         self._wake: dict[str, asyncio.Event] = {}
@@ -223,7 +205,6 @@ class Worker:
         await maintenance_pool.open()
         threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="skiplock-job")
         slots = Slots(self.concurrency + self.prefetch)
-        self._gate = asyncio.Semaphore(self.concurrency) if self.prefetch else None
         wake = self._wake = {queue: asyncio.Event() for queue in self.queues}
         limits = self._limits = QueueLimits(pool, schema, self.queues, wake)
         self._transactional = TransactionalSessions(
@@ -248,6 +229,17 @@ class Worker:
             max_batch=max(2 * self.concurrency, 100),
             on_retry_written=promotion.wake.set,
             on_flush=self._flushed,
+        )
+        jobs = self._jobs = LeasedJobs(
+            self.app,
+            self.id,
+            limits,
+            completer,
+            self.stats,
+            self.metrics,
+            lease_seconds=self.lease_seconds,
+            gate=asyncio.Semaphore(self.concurrency) if self.prefetch else None,
+            rng=self._rng,
         )
         admission = self._admission = Admission(
             maintenance_pool,
@@ -297,10 +289,10 @@ class Worker:
             every=heartbeat_every,
             tick=tick,
             registration=self._registration,
-            leased=self._leased,
-            take_progress=self._take_progress,
-            request_cancel=self.request_cancel,
-            on_lost=self._lease_lost,
+            leased=jobs.held,
+            take_progress=jobs.take_progress,
+            request_cancel=jobs.request_cancel,
+            on_lost=jobs.lost,
         )
         # Started once the liveness lock is held: until then a rescuer would take this
         # worker for dead, drop its registration and hand its jobs on, and an elected
@@ -333,7 +325,7 @@ class Worker:
                 retention=self.history_retention,
             ),
             admission,
-            Every("limits", limits_module.REFRESH_SECONDS, limits.read),
+            Every("limits", LIMITS_REFRESH_SECONDS, limits.read),
         ]
         supervisor.start(listener)
         supervisor.start(Loop("completer", completer.run))
@@ -403,15 +395,15 @@ class Worker:
     ) -> list[Producer]:
         """Per queue, a producer of lease-mode claims, and one per kind of transactional
         session (async, sync) when the queue has such tasks."""
-        sessions = self._transactional
-        assert sessions is not None
+        sessions, jobs = self._transactional, self._jobs
+        assert sessions is not None and jobs is not None
         producers: list[Producer] = []
         for queue in self.queues:
             wake = self._wake[queue]
             producers.append(
                 Producer(
                     f"{queue}/lease",
-                    self._lease_fetch(pool, queue, cursors[queue], leased_excluded, threads, slots),
+                    jobs.fetch(pool, queue, cursors[queue], leased_excluded, threads, slots),
                     slots,
                     wake,
                     batch_max=self.batch_max,
@@ -514,131 +506,6 @@ class Worker:
         while completer is not None and completer.backlog > 4 * self.concurrency:
             await asyncio.sleep(0.001)
 
-    # -- lease mode --------------------------------------------------------------------
-
-    def _lease_fetch(
-        self,
-        pool: AsyncConnectionPool[Any],
-        queue: str,
-        cursor: ClaimCursor,
-        excluded: list[str],
-        threads: ThreadPoolExecutor,
-        slots: Slots,
-    ) -> Any:
-        full = render(claim.JOB_CLAIM_BATCH, self.app.schema)
-        resumed = render(claim.JOB_CLAIM_BATCH_AFTER, self.app.schema)
-        limits = self._limits
-        assert limits is not None
-
-        async def fetch(limit: int) -> int:
-            params: dict[str, Any] = {
-                "queue": queue,
-                "exclude_tasks": excluded,
-                "limit": limit,
-                "worker_id": self.id,
-                "lease_seconds": self.lease_seconds,
-            }
-            after = cursor.start()
-            if after is not None:
-                params.update(after_priority=after[0], after_run_at=after[1], after_id=after[2])
-            statement = full if after is None else resumed
-            await limits.settled()
-            if queue in limits:
-                rows = await limits.claim(queue, statement, params)
-            else:
-                async with pool.connection() as conn:
-                    cur = await conn.execute(statement, params)
-                    rows = await cur.fetchall()
-            slots.take(len(rows))
-            self.stats.claimed += len(rows)
-            if rows:
-                self.metrics.claimed(queue, len(rows))
-            # Columns 4, 5 and 0 are priority, run_at and id: the claim order.
-            cursor.advance([(row[4], row[5], row[0]) for row in rows])
-            for row in rows:
-                job = executor.claimed_from_row(row)
-                task = asyncio.create_task(self._run_leased(job, threads, slots))
-                self._leased[job.id] = (job.attempts, task)
-                self._job_tasks[job.id] = job.task
-            return len(rows)
-
-        return fetch
-
-    async def _run_leased(self, job: ClaimedJob, threads: ThreadPoolExecutor, slots: Slots) -> None:
-        cancel = self._cancel_flags[job.id] = CancelFlag()
-        gate = self._gate
-        gated = False
-        try:
-            started = time.perf_counter()
-            try:
-                if gate is not None:
-                    # A prefetched job waits for a free slot; at shutdown _drain gives it
-                    # back, and a cancel request ends it here without running it.
-                    self._at_gate.add(job.id)
-                    try:
-                        await gate.acquire()
-                        gated = True
-                    finally:
-                        self._at_gate.discard(job.id)
-                    started = time.perf_counter()
-                if cancel.is_set():
-                    raise asyncio.CancelledError  # cancelled while it waited: never ran
-                outcome = await executor.run_leased(
-                    self.app,
-                    job,
-                    threads,
-                    rng=self._rng,
-                    cancel=cancel,
-                    progress=partial(self._record_progress, job.id, job.attempts),
-                    on_abandoned=partial(self._hold_slot, slots),
-                )
-            except asyncio.CancelledError:
-                if not cancel.is_set():
-                    raise  # shutdown, or the lease was lost: no outcome of ours to write
-                outcome = Outcome(job.id, job.attempts, cancelled=True)
-            if cancel.is_set() and not outcome.cancelled:
-                # Asked to stop: however the handler ended (returning early, raising), the
-                # job ends cancelled, as the requester was told.
-                outcome = Outcome(job.id, job.attempts, cancelled=True)
-            pending = self._progress.pop(job.id, None)
-            if pending is not None and pending[0] == job.attempts:
-                outcome = dataclasses.replace(outcome, progress_json=pending[1])
-            kind = outcome.kind
-            self.metrics.job_finished(job.queue, job.task, kind, time.perf_counter() - started)
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug(
-                    "job %s %s",
-                    job.id,
-                    kind,
-                    extra={"job_id": job.id, "task": job.task, "attempt": job.attempts},
-                )
-            assert self.completer is not None
-            if self._leased.get(job.id, (None,))[0] == job.attempts:
-                self.completer.add(outcome)
-        finally:
-            entry = self._leased.get(job.id)
-            if entry is not None and entry[0] == job.attempts:
-                del self._leased[job.id]
-            self._cancel_flags.pop(job.id, None)
-            self._job_tasks.pop(job.id, None)
-            if gated and gate is not None:
-                gate.release()
-            slots.give(1)
-
-    def _hold_slot(self, slots: Slots, thread: asyncio.Future[Any]) -> None:
-        """A timed-out sync handler still occupies a thread: keep a slot taken until it
-        returns, so the worker does not claim jobs it has no thread for."""
-        slots.take(1)
-        thread.add_done_callback(lambda _: slots.give(1))
-
-    def _record_progress(self, job_id: int, attempt: int, encoded: str) -> None:
-        # Called from handler threads too: a dict assignment is atomic under the GIL.
-        self._progress[job_id] = (attempt, encoded)
-
-    def _take_progress(self) -> dict[int, tuple[int, str]]:
-        pending, self._progress = self._progress, {}
-        return pending
-
     def _claimed(self, queue: str, count: int) -> None:
         self.stats.claimed += count
         self.metrics.claimed(queue, count)
@@ -652,15 +519,8 @@ class Worker:
     def request_cancel(self, job_id: int) -> None:
         """Stop a running job of this worker: async handlers are cancelled, sync handlers
         see ``skiplock.cancel_requested()`` turn true. The job ends cancelled."""
-        flag = self._cancel_flags.get(job_id)
-        entry = self._leased.get(job_id)
-        if flag is None or entry is None or flag.is_set():
-            return
-        flag.set()
-        log.info("cancelling job %s on request", job_id)
-        task = self.app.tasks.get(self._job_tasks.get(job_id, ""))
-        if task is not None and task.is_async:
-            entry[1].cancel()
+        if self._jobs is not None:
+            self._jobs.request_cancel(job_id)
 
     def _on_control(self, payload: str) -> None:
         verb, _, argument = payload.partition("\t")
@@ -702,12 +562,6 @@ class Worker:
         assert self._heartbeat is not None, "the worker is not running"
         await self._heartbeat.beat()
 
-    def _lease_lost(self, job_id: int, attempt: int, task: asyncio.Task[None]) -> None:
-        self.stats.lost_leases += 1
-        log.warning("lost the lease of job %s attempt %s; cancelling it", job_id, attempt)
-        del self._leased[job_id]
-        task.cancel()
-
     def _rescued(self, count: int) -> None:
         self.metrics.rescued(count)
         self.stats.rescued += count
@@ -721,16 +575,16 @@ class Worker:
         Jobs still running at the timeout are released: back to the queue at once with
         the attempt given back (it was cut short, not failed) and a WorkerShutdown note.
         """
+        jobs, sessions = self._jobs, self._transactional
+        assert jobs is not None and sessions is not None
         unfinished: dict[int, int] = {}
         # Prefetched jobs that never started go back at once, their attempt given back.
-        for job_id in list(self._at_gate):
-            entry = self._leased.pop(job_id, None)
+        for job_id in list(jobs.at_gate):
+            entry = jobs.held.pop(job_id, None)
             if entry is not None:
                 unfinished[job_id] = entry[0]
                 entry[1].cancel()
-        sessions = self._transactional
-        assert sessions is not None
-        running = [task for _, task in self._leased.values()] + list(sessions.running)
+        running = [task for _, task in jobs.held.values()] + list(sessions.running)
         if running:
             finished = asyncio.ensure_future(
                 asyncio.wait(running, timeout=max(self.shutdown_timeout, 0.001))
@@ -739,13 +593,12 @@ class Worker:
             await asyncio.wait({finished, abandoned}, return_when=asyncio.FIRST_COMPLETED)
             abandoned.cancel()
             still = {task for task in running if not task.done()}
-            for job_id, (attempt, task) in list(self._leased.items()):
+            for job_id, (attempt, task) in list(jobs.held.items()):
                 if task in still:
                     unfinished[job_id] = attempt
-                    handler = self.app.tasks.get(self._job_tasks.get(job_id, ""))
-                    if handler is None or not handler.is_async:
+                    if jobs.runs_in_thread(job_id):
                         self.abandoned_threads += 1  # a thread cannot be cancelled
-                    del self._leased[job_id]
+                    del jobs.held[job_id]
                     task.cancel()
             for session in list(sessions.running):
                 if session in still and session in sessions.in_threads:

@@ -1,0 +1,213 @@
+"""Lease mode: jobs claimed with a lease, each run as a task of its own (the handler in
+the executor), its outcome handed to the completer. The heartbeat keeps the leases of
+``held``; a job whose lease was lost is cancelled without an outcome of ours to write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any
+from uuid import UUID
+
+from psycopg_pool import AsyncConnectionPool
+
+from skiplock import executor
+from skiplock.app import App
+from skiplock.completer import Completer, Outcome
+from skiplock.context import CancelFlag
+from skiplock.cursor import ClaimCursor
+from skiplock.metrics import NullMetrics
+from skiplock.sql import claim, render
+from skiplock.types import ClaimedJob
+from skiplock.worker.heartbeat import Leased
+from skiplock.worker.limits import QueueLimits
+from skiplock.worker.producer import Fetch, Slots
+from skiplock.worker.stats import WorkerStats
+
+log = logging.getLogger("skiplock.worker")
+
+
+class LeasedJobs:
+    """The lease-mode jobs of one worker process, from claim to outcome."""
+
+    def __init__(
+        self,
+        app: App,
+        worker_id: UUID,
+        limits: QueueLimits,
+        completer: Completer,
+        stats: WorkerStats,
+        metrics: NullMetrics,
+        *,
+        lease_seconds: float,
+        gate: asyncio.Semaphore | None,
+        rng: random.Random,
+    ) -> None:
+        self._app = app
+        self._worker_id = worker_id
+        self._limits = limits
+        self.completer = completer
+        self._stats = stats
+        self._metrics = metrics
+        self._lease_seconds = lease_seconds
+        # With prefetch, jobs claimed beyond free capacity wait (leased and heartbeated)
+        # at this gate for a slot; ``at_gate`` are those waiting.
+        self._gate = gate
+        self.at_gate: set[int] = set()
+        self._rng = rng
+        # In flight: id -> (attempt, the task running it).
+        self.held: Leased = {}
+        self._cancel_flags: dict[int, CancelFlag] = {}
+        self._job_tasks: dict[int, str] = {}
+        self._progress: dict[int, tuple[int, str]] = {}
+
+    def runs_in_thread(self, job_id: int) -> bool:
+        """Whether the job's handler is sync (its thread cannot be cancelled)."""
+        handler = self._app.tasks.get(self._job_tasks.get(job_id, ""))
+        return handler is None or not handler.is_async
+
+    def fetch(
+        self,
+        pool: AsyncConnectionPool[Any],
+        queue: str,
+        cursor: ClaimCursor,
+        excluded: list[str],
+        threads: ThreadPoolExecutor,
+        slots: Slots,
+    ) -> Fetch:
+        full = render(claim.JOB_CLAIM_BATCH, self._app.schema)
+        resumed = render(claim.JOB_CLAIM_BATCH_AFTER, self._app.schema)
+        limits = self._limits
+
+        async def fetch(limit: int) -> int:
+            params: dict[str, Any] = {
+                "queue": queue,
+                "exclude_tasks": excluded,
+                "limit": limit,
+                "worker_id": self._worker_id,
+                "lease_seconds": self._lease_seconds,
+            }
+            after = cursor.start()
+            if after is not None:
+                params.update(after_priority=after[0], after_run_at=after[1], after_id=after[2])
+            statement = full if after is None else resumed
+            await limits.settled()
+            if queue in limits:
+                rows = await limits.claim(queue, statement, params)
+            else:
+                async with pool.connection() as conn:
+                    cur = await conn.execute(statement, params)
+                    rows = await cur.fetchall()
+            slots.take(len(rows))
+            self._stats.claimed += len(rows)
+            if rows:
+                self._metrics.claimed(queue, len(rows))
+            # Columns 4, 5 and 0 are priority, run_at and id: the claim order.
+            cursor.advance([(row[4], row[5], row[0]) for row in rows])
+            for row in rows:
+                job = executor.claimed_from_row(row)
+                task = asyncio.create_task(self._run(job, threads, slots))
+                self.held[job.id] = (job.attempts, task)
+                self._job_tasks[job.id] = job.task
+            return len(rows)
+
+        return fetch
+
+    async def _run(self, job: ClaimedJob, threads: ThreadPoolExecutor, slots: Slots) -> None:
+        cancel = self._cancel_flags[job.id] = CancelFlag()
+        gate = self._gate
+        gated = False
+        try:
+            started = time.perf_counter()
+            try:
+                if gate is not None:
+                    # A prefetched job waits for a free slot; at shutdown _drain gives it
+                    # back, and a cancel request ends it here without running it.
+                    self.at_gate.add(job.id)
+                    try:
+                        await gate.acquire()
+                        gated = True
+                    finally:
+                        self.at_gate.discard(job.id)
+                    started = time.perf_counter()
+                if cancel.is_set():
+                    raise asyncio.CancelledError  # cancelled while it waited: never ran
+                outcome = await executor.run_leased(
+                    self._app,
+                    job,
+                    threads,
+                    rng=self._rng,
+                    cancel=cancel,
+                    progress=partial(self._record_progress, job.id, job.attempts),
+                    on_abandoned=partial(self._hold_slot, slots),
+                )
+            except asyncio.CancelledError:
+                if not cancel.is_set():
+                    raise  # shutdown, or the lease was lost: no outcome of ours to write
+                outcome = Outcome(job.id, job.attempts, cancelled=True)
+            if cancel.is_set() and not outcome.cancelled:
+                # Asked to stop: however the handler ended (returning early, raising), the
+                # job ends cancelled, as the requester was told.
+                outcome = Outcome(job.id, job.attempts, cancelled=True)
+            pending = self._progress.pop(job.id, None)
+            if pending is not None and pending[0] == job.attempts:
+                outcome = dataclasses.replace(outcome, progress_json=pending[1])
+            kind = outcome.kind
+            self._metrics.job_finished(job.queue, job.task, kind, time.perf_counter() - started)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "job %s %s",
+                    job.id,
+                    kind,
+                    extra={"job_id": job.id, "task": job.task, "attempt": job.attempts},
+                )
+            if self.held.get(job.id, (None,))[0] == job.attempts:
+                self.completer.add(outcome)
+        finally:
+            entry = self.held.get(job.id)
+            if entry is not None and entry[0] == job.attempts:
+                del self.held[job.id]
+            self._cancel_flags.pop(job.id, None)
+            self._job_tasks.pop(job.id, None)
+            if gated and gate is not None:
+                gate.release()
+            slots.give(1)
+
+    def _hold_slot(self, slots: Slots, thread: asyncio.Future[Any]) -> None:
+        """A timed-out sync handler still occupies a thread: keep a slot taken until it
+        returns, so the worker does not claim jobs it has no thread for."""
+        slots.take(1)
+        thread.add_done_callback(lambda _: slots.give(1))
+
+    def _record_progress(self, job_id: int, attempt: int, encoded: str) -> None:
+        # Called from handler threads too: a dict assignment is atomic under the GIL.
+        self._progress[job_id] = (attempt, encoded)
+
+    def take_progress(self) -> dict[int, tuple[int, str]]:
+        pending, self._progress = self._progress, {}
+        return pending
+
+    def request_cancel(self, job_id: int) -> None:
+        """Stop a running job of this worker: async handlers are cancelled, sync handlers
+        see ``skiplock.cancel_requested()`` turn true. The job ends cancelled."""
+        flag = self._cancel_flags.get(job_id)
+        entry = self.held.get(job_id)
+        if flag is None or entry is None or flag.is_set():
+            return
+        flag.set()
+        log.info("cancelling job %s on request", job_id)
+        task = self._app.tasks.get(self._job_tasks.get(job_id, ""))
+        if task is not None and task.is_async:
+            entry[1].cancel()
+
+    def lost(self, job_id: int, attempt: int, task: asyncio.Task[None]) -> None:
+        self._stats.lost_leases += 1
+        log.warning("lost the lease of job %s attempt %s; cancelling it", job_id, attempt)
+        del self.held[job_id]
+        task.cancel()
