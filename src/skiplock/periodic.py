@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,8 @@ from skiplock.tasks import Task
 
 if TYPE_CHECKING:
     from skiplock.app import App
+
+log = logging.getLogger("skiplock.periodic")
 
 
 @dataclass(frozen=True)
@@ -60,16 +63,24 @@ async def enqueue_due(
             continue
         if new_last == last:
             continue
-        async with conn.transaction():
-            cur = await conn.execute(
-                render(periodic_sql.PERIODIC_ADVANCE, schema),
-                {"name": entry.name, "tick": new_last, "expected": last},
-            )
-            if await cur.fetchone() is None:
-                continue  # another leader took these ticks
-            call = entry.task.with_options()
-            for tick in ticks:
-                spec = call.with_options(run_at=tick).job(**entry.args)
-                await client.insert_job_async(conn, schema, spec)
-                enqueued += 1
+        try:
+            async with conn.transaction():
+                cur = await conn.execute(
+                    render(periodic_sql.PERIODIC_ADVANCE, schema),
+                    {"name": entry.name, "tick": new_last, "expected": last},
+                )
+                if await cur.fetchone() is None:
+                    continue  # another leader took these ticks
+                call = entry.task.with_options()
+                added = 0
+                for tick in ticks:
+                    spec = call.with_options(run_at=tick).job(**entry.args)
+                    await client.insert_job_async(conn, schema, spec)
+                    added += 1
+            enqueued += added
+        except psycopg.errors.LockNotAvailable:
+            # A transaction holds a key or row this schedule's job needs (the leader's
+            # connections bound lock waits): its ticks wait for the next pass, rolled back
+            # with the advance; the other schedules go on.
+            log.warning("periodic %s: a lock it needs is held; its ticks wait", entry.name)
     return enqueued
