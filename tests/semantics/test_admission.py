@@ -194,10 +194,6 @@ def test_an_absurd_stored_rate_period_neither_fails_admission_nor_a_long_sleep(
     assert states(sem, [*ids, other]) == ["available", "blocked", "available"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="passes once the worker's admission service calls admission.admit_pass",
-)
 def test_a_worker_admits_every_other_key_past_a_row_that_cannot_be_admitted(
     sem: Sem, workers: StartWorkers
 ) -> None:

@@ -22,12 +22,12 @@ from uuid import UUID
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from skiplock import history
+from skiplock import admission, history
 from skiplock.config import notify_channel
 from skiplock.cursor import ClaimCursor
 from skiplock.leadership import Leadership
 from skiplock.periodic import enqueue_due
-from skiplock.sql import claim, keys, maintenance, render
+from skiplock.sql import claim, maintenance, render
 from skiplock.waiting import wait_event
 from skiplock.worker.supervisor import PeriodicService, describe
 from skiplock.worker.timeouts import MAINTENANCE
@@ -245,12 +245,8 @@ class Admission:
         self._every = every
         self._retry_after = retry_after
         self._on_admitted = on_admitted
-        self._lock = render(keys.ADMIT_LOCK, schema)
-        self._admit = render(keys.ADMIT, schema)
-        self._admit_all = render(keys.ADMIT_ALL, schema)
-        self._any_waiting = render(keys.ANY_WAITING, schema)
-        self._rate_next = render(keys.KEY_RATE_NEXT, schema)
-        self._params = {"lock": f"{schema}.admit", "channel": notify_channel(schema)}
+        self._schema = schema
+        self._channel = notify_channel(schema)
         self._keys: set[str] = set()
         self._all = True
         self._wake = asyncio.Event()
@@ -312,25 +308,11 @@ class Admission:
     async def admit_pass(self, asked: list[str] | None) -> tuple[int, dict[str, float]]:
         """One admission (of the ``asked`` keys, None: of every waiting key): the jobs
         admitted, and the rate-limited keys with the seconds until their window makes
-        room. The whole database side of this service."""
+        room. The whole database side of this service: skiplock.admission, where one bad
+        key or row fails alone."""
         async with self._pool.connection() as conn:
-            if asked is None:
-                cur = await conn.execute(self._any_waiting)
-                row = await cur.fetchone()
-                if row is None or not row[0]:
-                    return 0, {}
-            async with conn.transaction():
-                await conn.execute(self._lock, self._params)
-                if asked is None:
-                    cur = await conn.execute(self._admit_all, self._params)
-                else:
-                    cur = await conn.execute(self._admit, {**self._params, "keys": asked})
-                admitted = sum(int(r[1]) for r in await cur.fetchall())
-            cur = await conn.execute(self._rate_next)
-            rate_next = {
-                str(key): max(float(seconds), 0.001) for key, seconds in await cur.fetchall()
-            }
-        return admitted, rate_next
+            report = await admission.admit_pass(conn, self._schema, asked, self._channel)
+        return report.admitted, report.rate_due
 
 
 class Promotion(PeriodicService):
