@@ -22,6 +22,8 @@ from skiplock.retry import RetryPolicy
 log = logging.getLogger("skiplock.worker.supervisor")
 
 RESTART = RetryPolicy(base=0.1, factor=2.0, cap=10.0, jitter=0.5)
+# How long a stop waits for a cancelled service before it cancels it again.
+CANCEL_AGAIN_SECONDS = 0.1
 # A service that ran this long before it failed was healthy: its back-off starts over.
 HEALTHY_SECONDS = 60.0
 
@@ -52,11 +54,14 @@ class Supervisor:
         self._on_restart = on_restart
         self._rng = rng or random.Random()
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        # Services asked to stop: one that raises now is not started again.
+        self._stopping: set[str] = set()
 
     def start(self, service: Service) -> None:
         if service.name in self._tasks:
             raise ValueError(f"a service named {service.name!r} is already running")
         self.restarts.setdefault(service.name, 0)
+        self._stopping.discard(service.name)
         self._tasks[service.name] = asyncio.create_task(
             self._keep(service), name=f"skiplock-{service.name}"
         )
@@ -66,12 +71,31 @@ class Supervisor:
         return task is not None and not task.done()
 
     async def stop(self, names: Iterable[str] | None = None) -> None:
-        """Cancel the named services (all when None) and wait until they have ended."""
+        """Cancel the named services (all when None) and wait until they have ended.
+
+        The cancellation is repeated until each has ended: on Python 3.11 a single one can
+        be lost (CPython gh-86296: ``asyncio.wait_for`` returns the result instead of
+        raising when the cancel and the result arrive in the same loop step), and
+        psycopg_pool waits for a free connection that way. A service cancelled just as the
+        pool handed it a connection then runs on, and a stop that cancelled once waited
+        for ever (issue 10, item 22: the graceful-stop test that hung)."""
         chosen = list(self._tasks) if names is None else list(names)
-        tasks = [task for name in chosen if (task := self._tasks.pop(name, None)) is not None]
+        tasks = {task for name in chosen if (task := self._tasks.pop(name, None)) is not None}
+        self._stopping.update(chosen)
+        pending = tasks
+        while pending:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=CANCEL_AGAIN_SECONDS)
+            if pending:
+                log.debug("cancelling %d services again", len(pending))
         for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+            if not task.cancelled() and task.exception() is not None:
+                log.error(
+                    "service %s ended with an error at stop",
+                    task.get_name(),
+                    exc_info=task.exception(),
+                )
 
     async def _keep(self, service: Service) -> None:
         loop = asyncio.get_running_loop()
@@ -81,6 +105,8 @@ class Supervisor:
             try:
                 await service.run()
             except Exception:
+                if service.name in self._stopping:
+                    raise  # asked to stop (its cancel was lost): not started again
                 if loop.time() - started >= HEALTHY_SECONDS:
                     failures = 0
                 failures += 1

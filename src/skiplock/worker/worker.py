@@ -619,7 +619,8 @@ class Worker:
                     unfinished = {}
                 if not completer.backlog:
                     return
-            except (TimeoutError, psycopg.OperationalError) as exc:
+            except (TimeoutError, psycopg.Error) as exc:
+                # Any database error, not only a lost connection: retried until the deadline.
                 log.warning("final writes failed (%r); retrying", exc)
                 await asyncio.sleep(0.2)
         log.error(
