@@ -19,6 +19,7 @@ import psycopg
 
 from skiplock.completer import fenced_batch
 from skiplock.sql import complete, maintenance, render
+from skiplock.worker.liveness import session_kwargs
 from skiplock.worker.supervisor import PeriodicService
 from skiplock.worker.timeouts import heartbeat_bounds
 
@@ -105,7 +106,11 @@ class Heartbeat(PeriodicService):
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
         if self._conn is None or self._conn.closed:
             self._conn = await psycopg.AsyncConnection.connect(
-                self._url, autocommit=True, options=self._options, connect_timeout=10
+                self._url,
+                autocommit=True,
+                options=self._options,
+                connect_timeout=10,
+                **session_kwargs("heartbeat", self._worker_id),
             )
         return self._conn
 

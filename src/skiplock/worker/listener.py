@@ -47,8 +47,10 @@ class Listener:
         *,
         setup: tuple[str, dict[str, Any]] | None = None,
         control: tuple[str, Callable[[str], None]] | None = None,
+        connect_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self._url = database_url
+        self._connect_kwargs = connect_kwargs or {}
         self._channel = channel
         self._on_wakeup = on_wakeup
         self._on_connect = on_connect
@@ -70,7 +72,7 @@ class Listener:
         while True:
             try:
                 async with await psycopg.AsyncConnection.connect(
-                    self._url, autocommit=True
+                    self._url, autocommit=True, **self._connect_kwargs
                 ) as conn:
                     await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
                     if self._control is not None:

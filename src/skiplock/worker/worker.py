@@ -54,6 +54,7 @@ from skiplock.worker.leased import LeasedJobs
 from skiplock.worker.limits import REFRESH_SECONDS as LIMITS_REFRESH_SECONDS
 from skiplock.worker.limits import QueueLimits
 from skiplock.worker.listener import Listener
+from skiplock.worker.liveness import session_kwargs
 from skiplock.worker.producer import Producer, Slots
 from skiplock.worker.sessions import TransactionalSessions
 from skiplock.worker.stats import WorkerStats
@@ -177,7 +178,11 @@ class Worker:
             url,
             min_size=2,
             max_size=pool_size,
-            kwargs={"autocommit": True, "options": claim.WORKER_SESSION_OPTIONS},
+            kwargs={
+                "autocommit": True,
+                "options": claim.WORKER_SESSION_OPTIONS,
+                **session_kwargs("worker", self.id),
+            },
             open=False,
             name=f"skiplock-{self.id}",
         )
@@ -187,7 +192,11 @@ class Worker:
             url,
             min_size=1,
             max_size=MAINTENANCE_POOL_SIZE,
-            kwargs={"autocommit": True, "options": MAINTENANCE.options()},
+            kwargs={
+                "autocommit": True,
+                "options": MAINTENANCE.options(),
+                **session_kwargs("maintenance", self.id),
+            },
             open=False,
             name=f"skiplock-{self.id}-maintenance",
         )
@@ -197,7 +206,7 @@ class Worker:
                 url,
                 min_size=1,
                 max_size=self.concurrency,
-                kwargs={"autocommit": True},
+                kwargs={"autocommit": True, **session_kwargs("transactional", self.id)},
                 open=False,
             )
             sync_pool.open()
@@ -275,6 +284,7 @@ class Worker:
             on_connect,
             setup=setup,
             control=(control_channel(schema), self._on_control),
+            connect_kwargs=session_kwargs("listener", self.id),
         )
         producers = self._producers(
             pool, sync_pool, cursors, leased_excluded, tx_async, tx_sync, threads, slots
