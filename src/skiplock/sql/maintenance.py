@@ -12,17 +12,24 @@ FROM moved
 GROUP BY queue
 """
 
-# Liveness: every worker holds a session-level advisory lock keyed on its id on its
-# always-open LISTEN connection. If this statement can take a worker's lock, that
-# connection is gone, so the process is dead (or cut off): its registration is removed
-# and its running jobs go back at once instead of waiting out the lease. It reads the
-# small workers table, not the jobs index, so it stays cheap while VACUUM is held back.
-# The try-lock is transaction-scoped and released at commit; a live worker's lock simply
-# makes it return false.
+# Liveness (decision 014): every session a worker opens for its own duties (the
+# listener, the heartbeat's, the pools') holds a shared session-level advisory lock keyed
+# on the worker's id, taken right after it connects. The worker lives while any of them
+# does: one dropped connection (an idle-session timeout, a proxy, pg_terminate_backend)
+# leaves the others holding. A dead process's backends all exit, and the last one to go
+# frees the key.
 WORKER_LOCK = """
-SELECT pg_advisory_lock(hashtextextended(%(id)s::text, 0))
+SELECT pg_advisory_lock_shared(hashtextextended(%(id)s::text, 0))
 """
 
+# The exclusive try-lock succeeds only when no session holds the shared lock: that worker
+# is dead (or cut off from the database altogether), so its registration is removed and
+# its running jobs go back at once instead of waiting out the lease. It reads the small
+# workers table, not the jobs index, so it stays cheap while VACUUM is held back. The
+# try-lock is transaction-scoped and released at commit; a live worker's locks simply make
+# it return false. Never the rescuer's own worker: a backend does not conflict with its own
+# lock, so on the rescuer's session the try-lock on its own key would succeed whenever its
+# other sessions happen to be reconnecting.
 # SKIP LOCKED: a registration that another transaction has locked (an application's
 # SELECT ... FOR UPDATE, say) must not make the leader wait; that worker is found gone on
 # a later pass, and the others' jobs are rescued meanwhile.
@@ -30,7 +37,8 @@ WORKERS_GONE = """
 DELETE FROM {workers}
 WHERE id = ANY(ARRAY(
     SELECT id FROM {workers}
-    WHERE holds_lock AND pg_try_advisory_xact_lock(hashtextextended(id::text, 0))
+    WHERE holds_lock AND id <> %(worker_id)s
+      AND pg_try_advisory_xact_lock(hashtextextended(id::text, 0))
     FOR UPDATE SKIP LOCKED))
 RETURNING id
 """
@@ -144,9 +152,10 @@ FROM {jobs} WHERE state IN ('scheduled', 'retryable')
 """
 
 # Become or stay leader: take the row when it is free or expired, renew it when it is
-# ours, and take it from a leader whose liveness lock is free (its connection is gone, so
-# it is dead: no need to wait out its ttl). Any other live holder makes the WHERE false
-# and nothing comes back. Leaders without a liveness lock (behind a pooler) only expire.
+# ours, and take it from a leader whose liveness lock is free (none of its sessions is
+# left, so it is dead: no need to wait out its ttl). Any other live holder makes the WHERE
+# false and nothing comes back. Leaders without a liveness lock (behind a pooler) only
+# expire.
 LEADER_ELECT = """
 INSERT INTO {leader} AS l (name, worker_id, expires_at)
 VALUES ('maintenance', %(worker_id)s, now() + %(ttl)s * interval '1 second')

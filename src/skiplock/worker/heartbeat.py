@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 from uuid import UUID
 
@@ -51,6 +51,7 @@ class Heartbeat(PeriodicService):
         take_progress: Callable[[], dict[int, tuple[int, str]]],
         request_cancel: Callable[[int], None],
         on_lost: Callable[[int, int, asyncio.Task[None]], None],
+        on_connect: Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]] | None = None,
     ) -> None:
         self._url = database_url
         self._worker_id = worker_id
@@ -62,6 +63,7 @@ class Heartbeat(PeriodicService):
         self._take_progress = take_progress
         self._request_cancel = request_cancel
         self._on_lost = on_lost
+        self._on_connect = on_connect
         self._options = heartbeat_bounds(every).options()
         self._touch = render(maintenance.WORKER_TOUCH, schema)
         self._extend = render(maintenance.JOB_EXTEND_LEASES_SKIP_LOCKED, schema)
@@ -112,6 +114,8 @@ class Heartbeat(PeriodicService):
                 connect_timeout=10,
                 **session_kwargs("heartbeat", self._worker_id),
             )
+            if self._on_connect is not None:
+                await self._on_connect(self._conn)  # the liveness lock (liveness.py)
         return self._conn
 
     async def beat(self, conn: psycopg.AsyncConnection[Any] | None = None) -> None:

@@ -115,6 +115,7 @@ class Rescue(LeaderService):
         self,
         pool: Pool,
         schema: str,
+        worker_id: UUID,
         leadership: Leadership,
         *,
         tick: float,
@@ -123,6 +124,7 @@ class Rescue(LeaderService):
     ) -> None:
         super().__init__(leadership, tick)
         self._pool = pool
+        self._worker_id = worker_id  # never taken for gone by its own rescue
         self._params = {"channel": notify_channel(schema)}
         self._expired_every = expired_every
         self._on_rescued = on_rescued
@@ -147,7 +149,7 @@ class Rescue(LeaderService):
         rescued = 0
         async with self._pool.connection() as conn:
             async with conn.transaction():
-                cur = await conn.execute(self._gone)
+                cur = await conn.execute(self._gone, {"worker_id": self._worker_id})
                 gone = [row[0] for row in await cur.fetchall()]
                 if gone:
                     cur = await conn.execute(self._orphaned, {**self._params, "workers": gone})

@@ -1,4 +1,4 @@
-"""One LISTEN connection per worker process, which also holds the liveness lock.
+"""One LISTEN connection per worker process, one of the sessions holding its liveness lock.
 
 Notifications only wake producers (and carry control messages).
 
@@ -30,8 +30,9 @@ class Listener:
     """Hands each notification on ``channel`` to ``on_wakeup``; ``on_connect`` runs after
     every (re)connection, since whatever was sent meanwhile is lost.
 
-    ``connected`` is set exactly while the connection (and with it the liveness lock) is
-    up: producers wait on it, so a worker never claims without liveness. A lost
+    ``connected`` is set exactly while the connection (and with it this session's share of
+    the liveness lock) is up: producers wait on it. The worker's other sessions keep it
+    alive meanwhile, so a dropped listener costs a pause in claims, not a rescue. A lost
     connection is reconnected here with back-off; anything else escapes to the
     supervisor, which restarts the service (``connected`` stays clear until then).
     """
@@ -80,8 +81,8 @@ class Listener:
                             sql.SQL("LISTEN {}").format(sql.Identifier(self._control[0]))
                         )
                     if self._setup is not None:
-                        # e.g. the worker's liveness lock: held exactly as long as this
-                        # connection lives, so it must be taken on it after each reconnect.
+                        # e.g. the worker's share of its liveness lock (liveness.py): held
+                        # as long as this connection lives, so taken after each reconnect.
                         await conn.execute(*self._setup)
                     failures = 0
                     self.connected.set()

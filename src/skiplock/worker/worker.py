@@ -54,7 +54,7 @@ from skiplock.worker.leased import LeasedJobs
 from skiplock.worker.limits import REFRESH_SECONDS as LIMITS_REFRESH_SECONDS
 from skiplock.worker.limits import QueueLimits
 from skiplock.worker.listener import Listener
-from skiplock.worker.liveness import session_kwargs
+from skiplock.worker.liveness import LivenessLock, session_kwargs
 from skiplock.worker.producer import Producer, Slots
 from skiplock.worker.sessions import TransactionalSessions
 from skiplock.worker.stats import WorkerStats
@@ -174,6 +174,8 @@ class Worker:
         tx_async, tx_sync, leased_excluded = self._split_tasks()
         needs_async_sessions = any(tx_async.values())
         pool_size = 4 + len(self.queues) + (self.concurrency if needs_async_sessions else 0)
+        # Every session of this worker holds its liveness lock: it lives while any does.
+        liveness = LivenessLock(schema, self.id, enabled=self.liveness_lock)
         pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
             url,
             min_size=2,
@@ -183,6 +185,7 @@ class Worker:
                 "options": claim.WORKER_SESSION_OPTIONS,
                 **session_kwargs("worker", self.id),
             },
+            configure=liveness,
             open=False,
             name=f"skiplock-{self.id}",
         )
@@ -197,6 +200,7 @@ class Worker:
                 "options": MAINTENANCE.options(),
                 **session_kwargs("maintenance", self.id),
             },
+            configure=liveness,
             open=False,
             name=f"skiplock-{self.id}-maintenance",
         )
@@ -207,6 +211,7 @@ class Worker:
                 min_size=1,
                 max_size=self.concurrency,
                 kwargs={"autocommit": True, **session_kwargs("transactional", self.id)},
+                configure=liveness.take,
                 open=False,
             )
             sync_pool.open()
@@ -274,9 +279,7 @@ class Worker:
             promotion.wake.set()
             admission.ask_all()
 
-        setup = None
-        if self.liveness_lock:
-            setup = (render(maintenance.WORKER_LOCK, schema), {"id": self.id})
+        setup = (liveness.statement, liveness.params) if self.liveness_lock else None
         self._listener = listener = Listener(
             url,
             notify_channel(schema),
@@ -303,6 +306,7 @@ class Worker:
             take_progress=jobs.take_progress,
             request_cancel=jobs.request_cancel,
             on_lost=jobs.lost,
+            on_connect=liveness,
         )
         # Started once the liveness lock is held: until then a rescuer would take this
         # worker for dead, drop its registration and hand its jobs on, and an elected
@@ -320,6 +324,7 @@ class Worker:
             Rescue(
                 maintenance_pool,
                 schema,
+                self.id,
                 self.leadership,
                 tick=tick,
                 expired_every=max(self.lease_seconds / 2, self.rescue_interval),
