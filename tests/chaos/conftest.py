@@ -270,8 +270,10 @@ class Fleet:
         poll_interval: float = 1.0,
         shutdown_timeout: float = 30.0,
         liveness_lock: bool = True,
+        extra_env: dict[str, str | None] | None = None,
     ) -> WorkerProcess:
-        """Start a worker; it is not waited for (see ``wait_registered``)."""
+        """Start a worker; it is not waited for (see ``wait_registered``). ``extra_env`` is
+        added to its environment; a None value removes a variable (``PGAPPNAME``, say)."""
         command = [
             sys.executable,
             "-m",
@@ -300,6 +302,11 @@ class Fleet:
         # PYTHONFAULTHANDLER: a worker that hangs can be made to print every thread's
         # stack (SIGABRT, see ``exit_code``).
         env = {**os.environ, "PGAPPNAME": appname, "PYTHONFAULTHANDLER": "1"}
+        for name, value in (extra_env or {}).items():
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
                 command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
