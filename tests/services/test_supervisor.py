@@ -142,16 +142,19 @@ def test_a_worker_service_that_raises_is_restarted_and_shown_in_status_and_metri
 
 
 def liveness_locks(ops: Ops, worker_id: Any) -> int:
-    """Sessions holding the liveness lock of ``worker_id`` (an advisory lock on a bigint
-    key: its high and low halves are classid and objid)."""
+    """Listener sessions holding their share of the liveness lock of ``worker_id`` (an
+    advisory lock on a bigint key: its high and low halves are classid and objid). Every
+    other session of the worker holds a share too (decision 014)."""
     return int(
         ops.scalar(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            "SELECT count(*) FROM pg_locks JOIN pg_stat_activity USING (pid) "
+            "WHERE locktype = 'advisory' AND granted "
             "AND objsubid = 1 AND database = (SELECT oid FROM pg_database "
             "                                 WHERE datname = current_database()) "
             "AND ((classid::bigint << 32) | objid::bigint) "
-            "    = hashtextextended(%s::text, 0)",
-            (str(worker_id),),
+            "    = hashtextextended(%s::text, 0) "
+            "AND application_name = 'skiplock listener ' || %s::text",
+            (str(worker_id), str(worker_id)),
         )
     )
 
@@ -193,9 +196,8 @@ def test_a_listener_that_raises_is_restarted_and_takes_its_liveness_lock_again(
     with psycopg.connect(ops.url) as conn:
         after.enqueue(conn, n=1)
     wait_until(lambda: ran == [1], 20, "a job claimed after the restart")
-    # While the listener was down its lock was free: the leader may have taken the
-    # worker for gone and dropped its registration (telling "gone" from "reconnecting"
-    # is issue 10's item 16). The heartbeat registers it again.
+    # The worker's other sessions held the liveness lock while the listener was down
+    # (decision 014), so its registration was kept.
     wait_until(
         lambda: ops.rows("SELECT id FROM {workers}") == [(worker.id,)], 10, "its registration"
     )
