@@ -26,6 +26,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import skiplock
 from conftest import StartWorker
@@ -358,6 +360,35 @@ def test_a_worker_is_gone_only_once_its_last_session_is(
             assert workers_gone(db, rescuer) == []
             close_and_wait_gone(session, db)
         assert workers_gone(db, rescuer) == [worker]
+
+
+@pytest.fixture
+def plain_role(db: psycopg.Connection[Any], database_url: str) -> Iterator[str]:
+    """A URL for a login role with no privilege at all, dropped at the end."""
+    role = f"skiplock_liveness_{uuid.uuid4().hex[:8]}"
+    db.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+    params = {k: str(v) for k, v in conninfo_to_dict(database_url).items() if v is not None}
+    params["user"] = role
+    params.pop("password", None)
+    try:
+        yield make_conninfo("", **params)
+    finally:
+        db.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_a_worker_running_as_another_role_is_judged_the_same(
+    app: skiplock.App, db: psycopg.Connection[Any], plain_role: str
+) -> None:
+    """Workers may run as several roles: the lock needs no privilege, and a rescuer of
+    another role sees it held (pg_stat_activity, which hides much of other roles'
+    sessions, is not read)."""
+    worker, rescuer = uuid.uuid4(), uuid.uuid4()
+    register(db, worker)
+    with ExitStack() as stack:
+        (session,) = hold_sessions(stack, plain_role, worker, 1)
+        assert workers_gone(db, rescuer) == []
+        close_and_wait_gone(session, db)
+    assert workers_gone(db, rescuer) == [worker]
 
 
 def test_the_rescuer_never_takes_its_own_worker_for_gone(
