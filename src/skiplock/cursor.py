@@ -9,40 +9,19 @@ off the claim path: every ``probe_interval`` seconds the worker looks for the fi
 job behind the cursor (JOB_BEHIND_CURSOR) and rewinds to it. A claim never walks from the
 start of the queue except after the listener reconnects (``force_sweep``): while VACUUM
 is held back, that walk reads every entry consumed since, and a claim that did it on a
-timer made the batch that drew the short straw wait.
+timer made the batch that drew the short straw wait. Notifications are parsed, and
+malformed ones dropped, in control.py.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
+
+from skiplock.control import Wakeup
+
+__all__ = ["ClaimCursor", "Position", "Wakeup"]
 
 Position = tuple[int, datetime, int]
-
-
-@dataclass(frozen=True)
-class Wakeup:
-    """A parsed notification: the queue and the earliest position that changed in it."""
-
-    queue: str
-    priority: int | None = None
-    run_at: datetime | None = None
-
-
-def parse_payload(payload: str) -> Wakeup:
-    """``queue`` or ``queue TAB priority TAB epoch-seconds``; unknown shapes wake only."""
-    parts = payload.rsplit("\t", 2)
-    if len(parts) != 3:
-        return Wakeup(payload)
-    queue, priority, epoch = parts
-    try:
-        seconds = float(epoch)
-        if not math.isfinite(seconds):
-            return Wakeup(queue)
-        return Wakeup(queue, int(priority), datetime.fromtimestamp(seconds, UTC))
-    except (ValueError, OverflowError, OSError):
-        return Wakeup(queue)
 
 
 class ClaimCursor:

@@ -41,6 +41,10 @@ Pool = AsyncConnectionPool[Any]
 
 # Keys remembered between admission passes; past this, one full pass instead.
 ADMIT_KEYS_MAX = 1000
+# A full pass asked for by a notification runs at most this often: anyone who can connect
+# can send 'admit', and a full pass reads every waiting key. Requests in between are
+# coalesced into one pass at the end of the interval (keyed passes are not held back).
+ASKED_FULL_SECONDS = 1.0
 
 
 class Election(PeriodicService):
@@ -251,6 +255,7 @@ class Admission:
         self._channel = notify_channel(schema)
         self._keys: set[str] = set()
         self._all = True
+        self._asked_all = False  # by a notification: coalesced (ASKED_FULL_SECONDS)
         self._wake = asyncio.Event()
 
     def ask(self, key: str) -> None:
@@ -262,7 +267,7 @@ class Admission:
         if key and len(self._keys) < ADMIT_KEYS_MAX:
             self._keys.add(key)
         else:
-            self._all = True
+            self._asked_all = True
         self._wake.set()
 
     def ask_all(self) -> None:
@@ -273,15 +278,19 @@ class Admission:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         next_full = loop.time()
+        last_full = float("-inf")
         rate_due: dict[str, float] = {}  # rate-limited key -> when its window makes room
         while True:
-            wake_at = min([next_full, *rate_due.values()])
-            await wait_event(self._wake, wake_at - loop.time())
+            due = [next_full, *rate_due.values()]
+            if self._asked_all:
+                due.append(last_full + ASKED_FULL_SECONDS)
+            await wait_event(self._wake, min(due) - loop.time())
             self._wake.clear()
             now = loop.time()
             if not self.leadership.is_leader(now):
                 self._keys.clear()
                 self._all = True
+                self._asked_all = False
                 rate_due.clear()
                 next_full = now + self._every
                 continue
@@ -289,10 +298,15 @@ class Admission:
                 self._keys | {key for key, at in rate_due.items() if at <= now}
             )
             self._keys = set()
-            if self._all or now >= next_full:
+            if (
+                self._all
+                or now >= next_full
+                or (self._asked_all and now >= last_full + ASKED_FULL_SECONDS)
+            ):
                 asked = None
-                self._all = False
+                self._all = self._asked_all = False
                 next_full = now + self._every
+                last_full = now
             elif not asked:
                 continue
             try:

@@ -31,6 +31,7 @@ class QueueLimits:
         self._wake = wake
         self.governed: set[str] = set()
         self._reading: asyncio.Task[None] | None = None
+        self._read_again = False
         self._limits = render(claim.QUEUE_LIMITS, schema)
         self._govern = render(claim.QUEUE_GOVERN, schema)
         self._running = render(claim.QUEUE_RUNNING, schema)
@@ -50,8 +51,20 @@ class QueueLimits:
 
     def read_soon(self) -> None:
         """Limits changed: read them now. The next claim of any queue waits for this
-        read, so jobs enqueued after the change committed are claimed under it."""
-        self._reading = asyncio.get_running_loop().create_task(self.read())
+        read, so jobs enqueued after the change committed are claimed under it. Asked
+        while a read runs, one more read follows it (the running one may have started
+        before the change committed): anyone can send 'limits', and a flood of them
+        costs one read at a time."""
+        if self._reading is not None and not self._reading.done():
+            self._read_again = True
+            return
+        self._reading = asyncio.get_running_loop().create_task(self._read_until_settled())
+
+    async def _read_until_settled(self) -> None:
+        self._read_again = True
+        while self._read_again:
+            self._read_again = False
+            await self.read()
 
     async def settled(self) -> None:
         """Wait for a read that a 'limits' message started (its failure is not ours)."""

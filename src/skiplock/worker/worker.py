@@ -30,7 +30,8 @@ from skiplock import executor
 from skiplock.app import App
 from skiplock.completer import Completer, fenced_batch
 from skiplock.config import control_channel, notify_channel
-from skiplock.cursor import ClaimCursor, Wakeup
+from skiplock.control import AdmitRequest, CancelRequest, ControlMessage, LimitsChanged, Wakeup
+from skiplock.cursor import ClaimCursor
 from skiplock.errors import ConfigurationError, SchemaNotReadyError
 from skiplock.leadership import Leadership
 from skiplock.metrics import NullMetrics
@@ -40,6 +41,7 @@ from skiplock.sql import claim, complete, maintenance, render
 from skiplock.tasks import MAX_QUEUE_NAME, check_name
 from skiplock.types import ClaimedJob
 from skiplock.waiting import wait_event
+from skiplock.worker.cancels import CancelRequests
 from skiplock.worker.heartbeat import Heartbeat
 from skiplock.worker.leader import (
     Admission,
@@ -139,6 +141,7 @@ class Worker:
         self._listener: Listener | None = None
         self._heartbeat: Heartbeat | None = None
         self._admission: Admission | None = None
+        self._cancels: CancelRequests | None = None
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._jobs: LeasedJobs | None = None
@@ -280,6 +283,9 @@ class Worker:
             admission.ask_all()
 
         setup = (liveness.statement, liveness.params) if self.liveness_lock else None
+        self._cancels = CancelRequests(
+            pool, schema, self.id, leased=jobs.held, cancel=self.request_cancel
+        )
         self._listener = listener = Listener(
             url,
             notify_channel(schema),
@@ -342,6 +348,7 @@ class Worker:
             admission,
             Every("limits", LIMITS_REFRESH_SECONDS, limits.read),
         ]
+        supervisor.start(self._cancels)
         supervisor.start(listener)
         supervisor.start(Loop("completer", completer.run))
         supervisor.start(promotion)
@@ -537,13 +544,17 @@ class Worker:
         if self._jobs is not None:
             self._jobs.request_cancel(job_id)
 
-    def _on_control(self, payload: str) -> None:
-        verb, _, argument = payload.partition("\t")
-        if verb == "cancel" and argument.isdigit():
-            self.request_cancel(int(argument))
-        elif verb == "admit" and self._admission is not None:
-            self._admission.ask(argument)
-        elif verb == "limits" and self._limits is not None:
+    def _on_control(self, message: ControlMessage) -> None:
+        """A message from the control channel, where anyone can write (control.py): none
+        is taken at its word. A cancel is confirmed by the job's row first; admission
+        and limits are read from the tables, and requests for them are coalesced."""
+        if isinstance(message, CancelRequest):
+            if self._cancels is not None:
+                self._cancels.ask(message.job_id)
+        elif isinstance(message, AdmitRequest):
+            if self._admission is not None:
+                self._admission.ask(message.key or "")
+        elif isinstance(message, LimitsChanged) and self._limits is not None:
             self._limits.read_soon()
 
     def _flushed(self, batch: int, refused: int) -> None:
