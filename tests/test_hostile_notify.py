@@ -16,6 +16,7 @@ notifications arrive in order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -179,10 +180,10 @@ def malformed_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     ]
 
 
-@pytest.fixture
-def hostile_url(database_url: str) -> Iterator[str]:
+@contextlib.contextmanager
+def no_rights_role(database_url: str) -> Iterator[str]:
     """A URL for a new role with no rights on the schema (trust auth lets it connect);
-    the role is dropped after the test, also when it fails."""
+    the role is dropped afterwards, also on failure. Used by the chaos scenario too."""
     role = f"hostile_{uuid.uuid4().hex[:12]}"
     params = {k: str(v) for k, v in conninfo_to_dict(database_url).items() if v is not None}
     params.pop("password", None)
@@ -198,6 +199,12 @@ def hostile_url(database_url: str) -> Iterator[str]:
                 (role,),
             )
             admin.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
+
+
+@pytest.fixture
+def hostile_url(database_url: str) -> Iterator[str]:
+    with no_rights_role(database_url) as url:
+        yield url
 
 
 # -- item 5: malformed payloads --------------------------------------------------------
