@@ -236,6 +236,8 @@ def test_a_cancel_with_a_superscript_digit_neither_kills_the_listener_nor_reruns
         ("running", 1, []),
     )
     assert runs.ran("after")
+    # Alive all along: not restarted by the supervisor, not reconnected.
+    assert handle.worker.service_restarts["listener"] == 0
     runs.release.set()
     assert skiplock.JobRef(long_job, app).result(timeout=15) == "long"
     assert job_row(autocommit, long_job) == ("completed", 1, [])
@@ -265,6 +267,7 @@ def test_garbage_on_every_channel_is_logged_once_per_channel_and_ignored(
 
     assert skiplock.JobRef(after, app).result(timeout=15) == "after"
     assert liveness_lock_held(autocommit, handle.worker)
+    assert handle.worker.service_restarts["listener"] == 0
     assert job_row(autocommit, long_job) == ("running", 1, [])
     # One line per channel: the rest of each burst is held back and counted.
     lines = malformed_lines(caplog)
@@ -348,6 +351,7 @@ def test_a_role_with_no_rights_can_neither_cancel_nor_change_limits_nor_move_job
 
     assert runs.cancelled == {"running"}
     assert liveness_lock_held(autocommit, handle.worker)
+    assert handle.worker.service_restarts["listener"] == 0
     assert client.list_queues(autocommit, SCHEMA) == limits_before
     assert [job_row(autocommit, job_id) for job_id in ids[1:]] == [
         ("running", 1, []),
