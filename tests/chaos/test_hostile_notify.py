@@ -191,7 +191,7 @@ def test_hostile_notifications_cancel_nothing_rerun_nothing_lose_nothing(
         with no_rights_role(chaos_db.url) as url:
             hostile = Hostile(url, rng)
             try:
-                next_batch = time.monotonic()
+                next_batch = next_tick = time.monotonic()
                 while time.monotonic() - started < FLOOD_SECONDS:
                     if time.monotonic() >= next_batch and len(ids) < HOSTILE_JOBS:
                         count = min(per_batch, HOSTILE_JOBS - len(ids))
@@ -209,7 +209,9 @@ def test_hostile_notifications_cancel_nothing_rerun_nothing_lose_nothing(
                     hostile.tick(running)
                     for handle in workers:
                         assert handle.alive, "a worker died"
-                    time.sleep(TICK)  # the flood's pace, not a wait for an outcome
+                    next_tick += TICK
+                    # The flood's pace, not a wait for an outcome.
+                    time.sleep(max(next_tick - time.monotonic(), 0.0))
             finally:
                 hostile.close()
         if len(ids) < HOSTILE_JOBS:
@@ -255,6 +257,7 @@ def test_hostile_notifications_cancel_nothing_rerun_nothing_lose_nothing(
         "throughput": round(len(ids) / drained, 1),
         "reruns": {"ran twice": len(ran_twice)} if ran_twice else {},
         "events": dict(hostile.sent),
+        "flood_seconds": FLOOD_SECONDS,
         "malformed_ignored": malformed,
         "spoofed_cancels_refused": refused,
         "service_restarts": sum(sum(r.values()) for r in restarts),
