@@ -163,21 +163,16 @@ def liveness_locks(ops: Ops, worker_id: Any) -> int:
 def test_a_listener_that_raises_is_restarted_and_takes_its_liveness_lock_again(
     ops: Ops, run_worker: StartWorker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A control message that makes the listener raise (a fault injected into its
-    handler): the listener is restarted, its liveness lock taken again on the new
+    """A control message that makes the listener raise (a fault injected around its
+    dispatch): the listener is restarted, its liveness lock taken again on the new
     connection, so the leader never takes this worker for dead, and claims go on."""
 
     class Faulty(listener_module.Listener):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            channel, handle = kwargs["control"]
-
-            def control(payload: str) -> None:
-                if payload == "injected fault":
-                    raise RuntimeError("injected fault")
-                handle(payload)
-
-            kwargs["control"] = (channel, control)
-            super().__init__(*args, **kwargs)
+        # Around dispatch: dispatch itself logs and ignores what its handlers raise.
+        def dispatch(self, channel: str, payload: str) -> None:
+            if payload == "injected fault":
+                raise RuntimeError("injected fault")
+            super().dispatch(channel, payload)
 
     monkeypatch.setattr(worker_module, "Listener", Faulty)
     ran: list[int] = []
@@ -220,17 +215,11 @@ def test_claims_wait_while_the_listener_is_down(
                 raise RuntimeError("listener cannot start")
             await super().run()
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            channel, handle = kwargs["control"]
-
-            def control(payload: str) -> None:
-                if payload == "injected fault":
-                    failing.set()
-                    raise RuntimeError("injected fault")
-                handle(payload)
-
-            kwargs["control"] = (channel, control)
-            super().__init__(*args, **kwargs)
+        def dispatch(self, channel: str, payload: str) -> None:
+            if payload == "injected fault":
+                failing.set()
+                raise RuntimeError("injected fault")
+            super().dispatch(channel, payload)
 
     monkeypatch.setattr(worker_module, "Listener", Faulty)
     ran: list[int] = []
