@@ -22,7 +22,6 @@ from skiplock.control import (
     ResultsReady,
     Throttle,
     Wakeup,
-    channels,
     describe_payload,
     parse,
     parse_control,
@@ -209,14 +208,6 @@ def test_malformed_control_messages_are_none(payload: str) -> None:
 def test_results_are_the_empty_payload_only() -> None:
     assert parse_results("") == ResultsReady()
     assert parse(Channel.RESULTS, "done") is None
-
-
-def test_each_schema_has_its_three_channels() -> None:
-    assert channels("app") == {
-        "app.jobs": Channel.JOBS,
-        "app.control": Channel.CONTROL,
-        "app.done": Channel.RESULTS,
-    }
 
 
 def test_a_long_payload_is_described_short() -> None:

@@ -28,8 +28,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 
-from skiplock.config import control_channel, done_channel, notify_channel
-
 # The column constraints (migrations/0001_jobs.sql, 0008): a payload naming more cannot
 # have come from a row.
 MAX_QUEUE_LENGTH = 128
@@ -49,7 +47,8 @@ _JOB_ID = re.compile(r"[1-9][0-9]{0,18}")
 
 
 class Channel(StrEnum):
-    """The kinds of channel; each schema has one of each (config.py names them)."""
+    """The kinds of channel; each schema has one of each (config.py names them:
+    ``<schema>.jobs``, ``<schema>.control``, ``<schema>.done``)."""
 
     JOBS = "jobs"
     CONTROL = "control"
@@ -92,15 +91,6 @@ class ResultsReady:
 
 ControlMessage = CancelRequest | AdmitRequest | LimitsChanged
 Message = Wakeup | ControlMessage | ResultsReady
-
-
-def channels(schema: str) -> dict[str, Channel]:
-    """The channel names of ``schema``, and which kind each is."""
-    return {
-        notify_channel(schema): Channel.JOBS,
-        control_channel(schema): Channel.CONTROL,
-        done_channel(schema): Channel.RESULTS,
-    }
 
 
 def parse(channel: Channel, payload: str) -> Message | None:
