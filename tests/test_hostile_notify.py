@@ -407,6 +407,7 @@ def test_a_flood_of_admission_requests_is_coalesced(
     wait_until(lambda: job_row(autocommit, first)[0] == "cancelled", 15, "the real cancel")
 
     during = [at for at in passes if at >= flood_started]
-    assert len(during) <= messages // 10, f"{len(during)} full passes for {messages} requests"
+    # Coalesced, not ignored: the requests still brought passes.
+    assert 1 <= len(during) <= messages // 10, f"{len(during)} full passes for {messages} requests"
     assert handle.alive
     runs.release.set()
