@@ -100,12 +100,16 @@ class LeaderService(PeriodicService):
     def __init__(self, leadership: Leadership, tick: float) -> None:
         self.leadership = leadership
         self._tick = tick
+        # Set when this worker is elected: a new leader's first pass runs at once, not a
+        # tick later (a dead leader's own jobs wait for it).
+        self.wake = asyncio.Event()
 
     def leading(self) -> bool:
         return self.leadership.is_leader(asyncio.get_running_loop().time())
 
     async def pause(self) -> None:
-        await asyncio.sleep(self._tick)
+        await wait_event(self.wake, self._tick)
+        self.wake.clear()
 
 
 class Rescue(LeaderService):

@@ -317,6 +317,20 @@ class Worker:
         # Started once the liveness lock is held: until then a rescuer would take this
         # worker for dead, drop its registration and hand its jobs on, and an elected
         # leader without its lock could be replaced at any moment.
+        rescue = Rescue(
+            maintenance_pool,
+            schema,
+            self.id,
+            self.leadership,
+            tick=tick,
+            expired_every=max(self.lease_seconds / 2, self.rescue_interval),
+            on_rescued=self._rescued,
+        )
+
+        def elected() -> None:
+            admission.ask_all()  # a new leader admits every waiting key
+            rescue.wake.set()  # and rescues at once: the old leader may be the dead one
+
         services: list[Service] = [
             self._heartbeat,
             Election(
@@ -325,17 +339,9 @@ class Worker:
                 self.id,
                 self.leadership,
                 follower_every=self.rescue_interval,
-                on_elected=admission.ask_all,  # a new leader admits every waiting key
+                on_elected=elected,
             ),
-            Rescue(
-                maintenance_pool,
-                schema,
-                self.id,
-                self.leadership,
-                tick=tick,
-                expired_every=max(self.lease_seconds / 2, self.rescue_interval),
-                on_rescued=self._rescued,
-            ),
+            rescue,
             Cron(maintenance_pool, self.app, self.leadership, tick=tick),
             History(
                 url,
