@@ -27,7 +27,7 @@ from skiplock.sql import claim, render
 from skiplock.types import ClaimedJob
 from skiplock.worker.heartbeat import Leased
 from skiplock.worker.limits import QueueLimits
-from skiplock.worker.producer import Fetch, Slots
+from skiplock.worker.producer import Fetch, Reservation, Slots
 from skiplock.worker.stats import WorkerStats
 
 log = logging.getLogger("skiplock.worker")
@@ -85,7 +85,8 @@ class LeasedJobs:
         resumed = render(claim.JOB_CLAIM_BATCH_AFTER, self._app.schema)
         limits = self._limits
 
-        async def fetch(limit: int) -> int:
+        async def fetch(reservation: Reservation) -> bool:
+            limit = reservation.size
             params: dict[str, Any] = {
                 "queue": queue,
                 "exclude_tasks": excluded,
@@ -104,7 +105,7 @@ class LeasedJobs:
                 async with pool.connection() as conn:
                     cur = await conn.execute(statement, params)
                     rows = await cur.fetchall()
-            slots.take(len(rows))
+            reservation.keep(len(rows))  # each job gives its slot back when it ends
             self._stats.claimed += len(rows)
             if rows:
                 self._metrics.claimed(queue, len(rows))
@@ -115,7 +116,7 @@ class LeasedJobs:
                 task = asyncio.create_task(self._run(job, threads, slots))
                 self.held[job.id] = (job.attempts, task)
                 self._job_tasks[job.id] = job.task
-            return len(rows)
+            return len(rows) >= limit
 
         return fetch
 

@@ -3,6 +3,11 @@
 A producer asks for at most as many jobs as there are free slots, claims again at once
 when a full batch came back (more is probably waiting), and otherwise sleeps until a
 notification, a slot frees up, or the poll interval passes, whichever is first.
+
+Slots are the process's capacity, shared by every producer of every queue. A producer
+reserves the slots it asks for before its claim goes out, and gets back what the claim
+did not use when it returns: producers of different queues claiming at the same moment
+must not all count the same free slots (decision 001; ``--concurrency`` caps the process).
 """
 
 from __future__ import annotations
@@ -30,6 +35,11 @@ class Slots:
         self.free = total
         self._freed = asyncio.Event()
         self._freed.set()
+
+    def reserve(self, n: int, gate: asyncio.Semaphore | None = None) -> Reservation:
+        """Take ``n`` slots now, for a claim about to go out (see Reservation)."""
+        self.take(n)
+        return Reservation(self, n, gate)
 
     def take(self, n: int) -> None:
         self.free -= n
@@ -65,8 +75,47 @@ class Slots:
         return self.total - self.free
 
 
-# A fetch claims at most `limit` units of work, starts them, and says how many it got.
-Fetch = Callable[[int], Awaitable[int]]
+class Reservation:
+    """Slots taken for one claim before it goes out, and what the claim kept of them.
+
+    A fetch calls ``keep(n)`` as it hands n slots on to work it started (each of which
+    gives its slot back when it ends); ``settle`` returns the rest, however the fetch
+    ended. ``permit`` says a run permit of ``gate`` (the prefetch gate) is held for work
+    that runs as soon as it starts (a transactional session); that work takes it on.
+    """
+
+    __slots__ = ("gate", "kept", "permit", "size", "slots")
+
+    def __init__(self, slots: Slots, size: int, gate: asyncio.Semaphore | None = None) -> None:
+        self.slots = slots
+        self.size = size
+        self.kept = 0
+        self.gate = gate
+        self.permit = False
+
+    def keep(self, n: int) -> None:
+        if self.kept + n > self.size:
+            raise ValueError(f"kept {self.kept + n} of {self.size} reserved slots")
+        self.kept += n
+
+    def take_permit(self) -> bool:
+        """Hand the run permit on to the work just started; True if there was one."""
+        held, self.permit = self.permit, False
+        return held
+
+    def settle(self, _: object = None) -> None:
+        """Give back what was not kept (a done-callback of the fetch, hence the argument)."""
+        if self.size > self.kept:
+            self.slots.give(self.size - self.kept)
+            self.size = self.kept
+        if self.permit and self.gate is not None:
+            self.gate.release()
+        self.permit = False
+
+
+# A fetch claims at most `reservation.size` units of work and starts them, keeping a slot
+# for each; it says whether the claim came back full (more is probably waiting).
+Fetch = Callable[[Reservation], Awaitable[bool]]
 
 
 class Producer:
@@ -81,6 +130,7 @@ class Producer:
         poll_interval: float,
         fetch_patience: float = 0.002,
         backpressure: Callable[[], Awaitable[None]] | None = None,
+        gate: asyncio.Semaphore | None = None,
     ) -> None:
         self.name = name
         self._fetch = fetch
@@ -90,8 +140,11 @@ class Producer:
         self._poll_interval = poll_interval
         self._patience = fetch_patience
         self._backpressure = backpressure
+        # Work that runs as soon as it starts (transactional sessions) also needs one of
+        # the prefetch gate's run permits, which jobs claimed ahead wait for.
+        self._gate = gate
         self.claims = 0
-        self.pending: asyncio.Future[int] | None = None
+        self.pending: asyncio.Future[bool] | None = None
 
     async def run(self) -> None:
         rng = random.Random()
@@ -105,14 +158,25 @@ class Producer:
             want = min(self._slots.free, self._batch_max)
             if want <= 0:
                 continue
+            reservation = self._slots.reserve(want, self._gate)
+            if self._gate is not None:
+                try:
+                    # Holding the slot, never the other way round: jobs claimed ahead hold
+                    # slots while they wait for a permit.
+                    await self._gate.acquire()
+                except BaseException:
+                    reservation.settle()
+                    raise
+                reservation.permit = True
             # Clear before claiming: a notification that lands during the claim re-arms it.
             self._wake.clear()
             try:
                 # Shielded: a claim commits in the database before its rows reach us, so
                 # cancelling it half-way (at shutdown) would strand the claimed jobs. The
                 # worker awaits `pending` before it drains.
-                self.pending = asyncio.ensure_future(self._fetch(want))
-                got = await asyncio.shield(self.pending)
+                self.pending = pending = asyncio.ensure_future(self._fetch(reservation))
+                pending.add_done_callback(reservation.settle)
+                full = await asyncio.shield(pending)
                 failures = 0
             except psycopg.OperationalError as exc:
                 failures += 1
@@ -128,6 +192,6 @@ class Producer:
                 await asyncio.sleep(delay)
                 continue
             self.claims += 1
-            if got >= want:
+            if full:
                 continue  # a full batch: more is probably waiting
             await wait_event(self._wake, self._poll_interval)

@@ -19,7 +19,7 @@ from skiplock import executor
 from skiplock.app import App
 from skiplock.types import ClaimedJob
 from skiplock.worker.limits import QueueLimits
-from skiplock.worker.producer import Producer, Slots
+from skiplock.worker.producer import Producer, Reservation, Slots
 
 log = logging.getLogger("skiplock.worker")
 
@@ -39,6 +39,7 @@ class TransactionalSessions:
         on_claimed: Callable[[str, int], None],
         on_completed: Callable[[int], None],
         on_finished: Callable[[ClaimedJob, str, float], None],
+        gate: asyncio.Semaphore | None = None,
     ) -> None:
         self.app = app
         self.limits = limits
@@ -48,6 +49,9 @@ class TransactionalSessions:
         self._on_claimed = on_claimed
         self._on_completed = on_completed
         self._on_finished = on_finished
+        # With prefetch, a session takes a run permit before it starts, in line with the
+        # jobs claimed ahead (it runs as soon as it starts).
+        self._gate = gate
         # Sessions running, and those of them in a thread (which cannot be cancelled).
         self.running: set[asyncio.Task[None]] = set()
         self.in_threads: set[asyncio.Task[None]] = set()
@@ -56,17 +60,20 @@ class TransactionalSessions:
         self, queue: str, slots: Slots, wake: asyncio.Event, start: Start, *, in_thread: bool
     ) -> Producer:
         limits = self.limits
+        gate = self._gate
 
-        async def fetch(limit: int) -> int:
+        async def fetch(reservation: Reservation) -> bool:
             batch = self.batch
             await limits.settled()
             if queue in limits:
                 batch = await limits.reserve(queue, batch)
                 if batch <= 0:
-                    return 0
+                    return False
             claimed: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-            slots.take(1)
+            reservation.keep(1)  # the session gives it back when it ends
             session = asyncio.create_task(start(claimed, batch))
+            if gate is not None and reservation.take_permit():
+                session.add_done_callback(lambda _: gate.release())
             self.running.add(session)
             session.add_done_callback(self.running.discard)
             if in_thread:
@@ -74,7 +81,7 @@ class TransactionalSessions:
                 session.add_done_callback(self.in_threads.discard)
             got = await claimed
             # A full batch means more may be waiting: start another session at once.
-            return limit if got >= self.batch else 0
+            return got >= self.batch
 
         return Producer(
             f"{queue}/transactional/{'sync' if in_thread else 'async'}",
@@ -84,6 +91,7 @@ class TransactionalSessions:
             batch_max=1,
             poll_interval=self.poll_interval,
             fetch_patience=0.0,
+            gate=gate,
         )
 
     def async_session(

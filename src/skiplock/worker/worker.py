@@ -222,6 +222,9 @@ class Worker:
         await maintenance_pool.open()
         threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="skiplock-job")
         slots = Slots(self.concurrency + self.prefetch)
+        # With prefetch, run permits: jobs claimed ahead wait here for one, and a
+        # transactional session takes one before it starts.
+        gate = asyncio.Semaphore(self.concurrency) if self.prefetch else None
         wake = self._wake = {queue: asyncio.Event() for queue in self.queues}
         limits = self._limits = QueueLimits(pool, schema, self.queues, wake)
         self._transactional = TransactionalSessions(
@@ -233,6 +236,7 @@ class Worker:
             on_claimed=self._claimed,
             on_completed=self._transactional_completed,
             on_finished=self._transactional_finished,
+            gate=gate,
         )
         cursors = {queue: ClaimCursor() for queue in self.queues}
         supervisor = self.supervisor = Supervisor(on_restart=self.metrics.service_restarted)
@@ -255,7 +259,7 @@ class Worker:
             self.stats,
             self.metrics,
             lease_seconds=self.lease_seconds,
-            gate=asyncio.Semaphore(self.concurrency) if self.prefetch else None,
+            gate=gate,
             rng=self._rng,
         )
         admission = self._admission = Admission(
