@@ -31,7 +31,10 @@ LIMIT %(limit)s
 """
 
 # A dead (or waiting) job goes back to the queue with a fresh set of attempts; its errors
-# are kept so the history of what went wrong survives the retry. The insert trigger does
+# are kept so the history of what went wrong survives the retry. A cancel request left on
+# the row (asked for while an earlier attempt ran, which then failed) is cleared: retrying
+# by hand is the newer decision, and the request would cancel the new attempt at its
+# first heartbeat. The insert trigger does
 # not fire on update, so the statement wakes the queue itself.
 JOB_RETRY = (
     """
@@ -44,6 +47,7 @@ WITH moved AS (
         retry_at = now(), attempts = 0, worker_id = NULL,
         run_at = least(run_at, now()),
         lease_expires_at = NULL,
+        cancel_requested_at = NULL,
         -- A dead job held no key; if a live job holds it now (or a job retried in this
         -- same call takes it first), this one runs without. A queued-scope key is gone for
         -- good: the job has started before.

@@ -21,10 +21,12 @@ WORKER_SESSION_OPTIONS = "-c synchronous_commit=off -c enable_seqscan=off"
 # primary key whatever the statistics say (see ROBUST_LOOKUP in sql/complete.py).
 # run_at <= now() guards rows inserted by hand as 'available' with a future run_at. The
 # paused check is a single primary-key lookup, evaluated once per claim.
-# attempts + 1 becomes this attempt's fencing token. Arguments come back as text and
-# timestamps clamped to what Python's datetime can hold, so that a row written by hand
-# that Python cannot decode fails as one job (executor.claimed_from_row) instead of
-# failing the whole claim.
+# attempts + 1 becomes this attempt's fencing token. claimed_ahead is false here and true
+# in the claims of a worker that prefetches (JOB_CLAIM_AHEAD): its jobs may wait for a
+# slot, and rescue gives back the attempt of one that never started (decision 015).
+# Arguments come back as text and timestamps clamped to what Python's datetime can hold,
+# so that a row written by hand that Python cannot decode fails as one job
+# (executor.claimed_from_row) instead of failing the whole claim.
 JOB_CLAIM_BATCH = """
 WITH picked AS (
     SELECT id
@@ -43,6 +45,7 @@ SET state = 'running',
     -- A queued-scope unique key is released for good once the job starts (0007).
     unique_queued_key = NULL,
     attempts = j.attempts + 1,
+    claimed_ahead = false,
     worker_id = %(worker_id)s,
     attempted_at = now(),
     lease_expires_at = now() + %(lease_seconds)s * interval '1 second'
@@ -68,6 +71,28 @@ JOB_CLAIM_BATCH_AFTER = JOB_CLAIM_BATCH.replace(
 )
 if JOB_CLAIM_BATCH_AFTER == JOB_CLAIM_BATCH:  # pragma: no cover - guards the edit above
     raise RuntimeError("JOB_CLAIM_BATCH changed shape; update JOB_CLAIM_BATCH_AFTER")
+
+# The same two claims for a worker that prefetches: each job is marked claimed ahead until
+# its start is recorded (JOB_MARK_STARTED).
+JOB_CLAIM_AHEAD = JOB_CLAIM_BATCH.replace("claimed_ahead = false", "claimed_ahead = true")
+JOB_CLAIM_AHEAD_AFTER = JOB_CLAIM_BATCH_AFTER.replace(
+    "claimed_ahead = false", "claimed_ahead = true"
+)
+if JOB_CLAIM_AHEAD == JOB_CLAIM_BATCH:  # pragma: no cover - guards the edit above
+    raise RuntimeError("JOB_CLAIM_BATCH changed shape; update JOB_CLAIM_AHEAD")
+
+# A prefetching worker records, in one statement per batch, that jobs it claimed ahead
+# have started and are still running, so that rescue charges them. Written a moment
+# after they start, and only for jobs still running then: most jobs finish first, and
+# their outcome is all that is written. Fenced like an outcome.
+JOB_MARK_STARTED = """
+UPDATE {jobs} AS j
+SET claimed_ahead = false
+WHERE j.id = ANY(%(ids)s::bigint[])
+  AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
+  AND j.worker_id = %(worker_id)s
+  AND j.claimed_ahead
+"""
 
 # The probe for a lease-mode cursor, run off the claim path every few seconds: the first
 # ready job behind the cursor, if any (one that no notification announced, or that a claim

@@ -143,10 +143,34 @@ SELECT pg_notify(%(channel)s, '')
 """
 
 # Graceful shutdown ran out of time: the attempt was cut short, not failed, so it is
-# given back, and the job is available at once.
+# given back, and the job is available at once. A job whose cancellation was asked for
+# ends cancelled instead, as the requester was told (and as JOB_CANCEL_ABANDONED ends one
+# whose worker died): released, it would run again, and the request, left on the row,
+# would cancel that next attempt at its first heartbeat, or never if it finished first.
+# Rows come back as NOTIFY_MOVED's, plus one with no queue counting the cancelled jobs
+# (the worker then wakes callers awaiting their results).
 JOB_RELEASE_MANY_IF_LEASED = (
     """
-WITH moved AS (
+WITH cancelled AS (
+    DELETE FROM {jobs} AS j
+    WHERE j.id = ANY(%(ids)s::bigint[])
+      AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
+      AND j.worker_id = %(worker_id)s
+      AND j.cancel_requested_at IS NOT NULL
+    RETURNING j.*
+), ended AS (
+    INSERT INTO {history} ("""
+    + _HISTORY_COLUMNS
+    + """)
+    SELECT id, queue, task, args, 'cancelled', priority, attempts, max_attempts,
+           errors || jsonb_build_array(jsonb_build_object(
+               'attempt', attempts, 'at', now(), 'type', 'Cancelled',
+               'message', 'cancelled; its worker stopped before the job finished',
+               'traceback', NULL)),
+           NULL, unique_key, ordering_key, created_at, attempted_at, progress
+    FROM cancelled
+    RETURNING id
+), moved AS (
     UPDATE {jobs} AS j
     SET state = 'available',
         attempts = j.attempts - 1,
@@ -156,14 +180,20 @@ WITH moved AS (
             'type', 'WorkerShutdown',
             'message', 'worker stopped before the job finished; the attempt is not counted',
             'traceback', NULL)),
+        claimed_ahead = false,
         worker_id = NULL,
         lease_expires_at = NULL
     WHERE j.id = ANY(%(ids)s::bigint[])
       AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
       AND j.worker_id = %(worker_id)s
+      AND j.cancel_requested_at IS NULL
     RETURNING j.queue, j.priority, j.run_at
 )"""
     + NOTIFY_MOVED
+    + """
+UNION ALL
+SELECT NULL, count(*), NULL::void FROM ended HAVING count(*) > 0
+"""
 )
 
 # A transactional handler's time limit: the server ends a session left idle inside its

@@ -46,19 +46,47 @@ RETURNING id
 # Run only when WORKERS_GONE found someone, in the same transaction: with no worker gone
 # the planner could still scan the running index, which while VACUUM is held back has an
 # entry for every job that ever ran.
+# A job claimed ahead by a prefetching worker that never recorded its start (sql/claim.py,
+# JOB_CLAIM_AHEAD) is given its attempt back: it most likely never ran. Its start is
+# recorded a moment after it starts, so a job that killed its worker at once looks the
+# same; it is given back only once in a row (the last error says 'counted': false), so
+# such a job still ends dead after max_attempts (decision 015).
+_NEVER_STARTED = "(claimed_ahead AND coalesce(errors -> -1 ->> 'counted', '') <> 'false')"
+
+
+def _rescued_columns(kind: str, why: str) -> str:
+    """The SET list of a rescue: the attempt counted, or given back to a job that never
+    started, and an error record that says which."""
+    return f"""
+    state = CASE WHEN {_NEVER_STARTED} OR attempts < max_attempts THEN 'available'
+                 ELSE 'dead' END,
+    attempts = attempts - CASE WHEN {_NEVER_STARTED} THEN 1 ELSE 0 END,
+    errors = errors || jsonb_build_array(CASE
+        WHEN {_NEVER_STARTED} THEN jsonb_build_object(
+            'attempt', attempts,
+            'at', now(),
+            'type', '{kind}',
+            'message', {why} || ' before the job started; the attempt is not counted',
+            'traceback', NULL,
+            'counted', false)
+        ELSE jsonb_build_object(
+            'attempt', attempts,
+            'at', now(),
+            'type', '{kind}',
+            'message', {why} || '; job rescued',
+            'traceback', NULL) END),
+    claimed_ahead = false,
+    worker_id = NULL,
+    lease_expires_at = NULL"""
+
+
 JOB_RESCUE_ORPHANED = (
     """
 WITH moved AS (
     UPDATE {jobs}
-    SET state = CASE WHEN attempts >= max_attempts THEN 'dead' ELSE 'available' END,
-        errors = errors || jsonb_build_array(jsonb_build_object(
-            'attempt', attempts,
-            'at', now(),
-            'type', 'WorkerLost',
-            'message', 'worker ' || worker_id::text || ' lost its connection; job rescued',
-            'traceback', NULL)),
-        worker_id = NULL,
-        lease_expires_at = NULL
+    SET"""
+    + _rescued_columns("WorkerLost", "'worker ' || worker_id::text || ' lost its connection'")
+    + """
     WHERE id = ANY(ARRAY(
         -- SKIP LOCKED here and below: a row locked by another transaction must never
         -- make the leader wait, or one stuck session would stop every rescue and the
@@ -103,15 +131,9 @@ JOB_RESCUE_EXPIRED = (
     """
 WITH moved AS (
 UPDATE {jobs}
-SET state = CASE WHEN attempts >= max_attempts THEN 'dead' ELSE 'available' END,
-    errors = errors || jsonb_build_array(jsonb_build_object(
-        'attempt', attempts,
-        'at', now(),
-        'type', 'LeaseExpired',
-        'message', 'lease expired on worker ' || worker_id::text || '; job rescued',
-        'traceback', NULL)),
-    worker_id = NULL,
-    lease_expires_at = NULL
+SET"""
+    + _rescued_columns("LeaseExpired", "'lease expired on worker ' || worker_id::text")
+    + """
 WHERE id = ANY(ARRAY(
     SELECT id FROM {jobs}
     WHERE state = 'running' AND lease_expires_at < now() AND cancel_requested_at IS NULL

@@ -28,6 +28,7 @@ from skiplock.types import ClaimedJob
 from skiplock.worker.heartbeat import Leased
 from skiplock.worker.limits import QueueLimits
 from skiplock.worker.producer import Fetch, Reservation, Slots
+from skiplock.worker.starts import StartRecorder
 from skiplock.worker.stats import WorkerStats
 
 log = logging.getLogger("skiplock.worker")
@@ -60,6 +61,8 @@ class LeasedJobs:
         # at this gate for a slot; ``at_gate`` are those waiting.
         self._gate = gate
         self.at_gate: set[int] = set()
+        # With prefetch, what records that jobs claimed ahead have started (decision 015).
+        self.starts: StartRecorder | None = None
         self._rng = rng
         # In flight: id -> (attempt, the task running it).
         self.held: Leased = {}
@@ -81,8 +84,14 @@ class LeasedJobs:
         threads: ThreadPoolExecutor,
         slots: Slots,
     ) -> Fetch:
-        full = render(claim.JOB_CLAIM_BATCH, self._app.schema)
-        resumed = render(claim.JOB_CLAIM_BATCH_AFTER, self._app.schema)
+        schema = self._app.schema
+        # A prefetching worker's jobs may wait for a slot: marked claimed ahead until they
+        # start, so that rescue does not charge one that never did (decision 015).
+        ahead = self._gate is not None
+        full = render(claim.JOB_CLAIM_AHEAD if ahead else claim.JOB_CLAIM_BATCH, schema)
+        resumed = render(
+            claim.JOB_CLAIM_AHEAD_AFTER if ahead else claim.JOB_CLAIM_BATCH_AFTER, schema
+        )
         limits = self._limits
 
         async def fetch(reservation: Reservation) -> bool:
@@ -139,6 +148,8 @@ class LeasedJobs:
                     started = time.perf_counter()
                 if cancel.is_set():
                     raise asyncio.CancelledError  # cancelled while it waited: never ran
+                if self.starts is not None:
+                    self.starts.note(job.id, job.attempts)
                 outcome = await executor.run_leased(
                     self._app,
                     job,

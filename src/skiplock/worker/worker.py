@@ -29,7 +29,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 from skiplock import executor
 from skiplock.app import App
 from skiplock.completer import Completer, fenced_batch
-from skiplock.config import control_channel, notify_channel
+from skiplock.config import control_channel, done_channel, notify_channel
 from skiplock.control import AdmitRequest, CancelRequest, ControlMessage, LimitsChanged, Wakeup
 from skiplock.cursor import ClaimCursor
 from skiplock.errors import ConfigurationError, SchemaNotReadyError
@@ -59,6 +59,7 @@ from skiplock.worker.listener import Listener
 from skiplock.worker.liveness import LivenessLock, session_kwargs
 from skiplock.worker.producer import Producer, Slots
 from skiplock.worker.sessions import TransactionalSessions
+from skiplock.worker.starts import StartRecorder
 from skiplock.worker.stats import WorkerStats
 from skiplock.worker.supervisor import Every, Loop, Service, Supervisor
 from skiplock.worker.timeouts import MAINTENANCE
@@ -318,6 +319,8 @@ class Worker:
             on_lost=jobs.lost,
             on_connect=liveness,
         )
+        if self.prefetch:
+            jobs.starts = StartRecorder(pool, schema, self.id, jobs.held)
         # Started once the liveness lock is held: until then a rescuer would take this
         # worker for dead, drop its registration and hand its jobs on, and an elected
         # leader without its lock could be replaced at any moment.
@@ -358,6 +361,8 @@ class Worker:
             admission,
             Every("limits", LIMITS_REFRESH_SECONDS, limits.read),
         ]
+        if jobs.starts is not None:
+            services.append(jobs.starts)
         supervisor.start(self._cancels)
         supervisor.start(listener)
         supervisor.start(Loop("completer", completer.run))
@@ -674,8 +679,17 @@ class Worker:
                     "channel": notify_channel(self.app.schema),
                 },
             )
-            released = sum(int(row[1]) for row in await cur.fetchall())
+            rows = await cur.fetchall()
+            released = sum(int(row[1]) for row in rows if row[0] is not None)
+            cancelled = sum(int(row[1]) for row in rows if row[0] is None)
+            if cancelled:
+                await conn.execute(
+                    render(complete.JOBS_DONE_NOTIFY, self.app.schema),
+                    {"channel": done_channel(self.app.schema)},
+                )
         log.warning("released %d unfinished jobs back to their queues", released)
+        if cancelled:
+            log.warning("ended %d unfinished jobs cancelled, as was asked", cancelled)
 
 
 def _pending_versions(url: str, schema: str) -> list[int]:

@@ -1,0 +1,85 @@
+"""Recording that jobs claimed ahead have started (a prefetching worker only).
+
+A job a prefetching worker claims is marked claimed ahead (sql/claim.py, JOB_CLAIM_AHEAD),
+and rescue gives back the attempt of a marked job whose worker died: it never started.
+Once a job starts, this service clears the mark, in one statement per batch, a moment
+later and only if the job is still running then: most jobs finish first, and their
+outcome is then the only write. Until the mark is cleared a started job that loses its
+worker is given its attempt back (once in a row: see sql/maintenance.py); decision 015
+weighs that against a write before every start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+from uuid import UUID
+
+from psycopg_pool import AsyncConnectionPool
+
+from skiplock.completer import fenced_batch
+from skiplock.sql import claim, render
+from skiplock.worker.supervisor import PeriodicService
+
+log = logging.getLogger("skiplock.worker.starts")
+
+# How long after its start a job still running has its start recorded. Shorter means
+# fewer started jobs given back after a crash, at the price of a write for more jobs.
+RECORD_AFTER_SECONDS = 0.05
+
+
+class StartRecorder(PeriodicService):
+    name = "starts"
+    log = log
+
+    def __init__(
+        self,
+        pool: AsyncConnectionPool[Any],
+        schema: str,
+        worker_id: UUID,
+        leased: Mapping[int, tuple[int, Any]],
+        *,
+        after: float = RECORD_AFTER_SECONDS,
+    ) -> None:
+        self._pool = pool
+        self._statement = render(claim.JOB_MARK_STARTED, schema)
+        self._worker_id = worker_id
+        self._leased = leased
+        self._after = after
+        self._started: dict[int, int] = {}
+        self._noted = asyncio.Event()
+
+    def note(self, job_id: int, attempt: int) -> None:
+        """The job's attempt has started (its handler is being called now)."""
+        self._started[job_id] = attempt
+        self._noted.set()
+
+    async def pause(self) -> None:
+        await self._noted.wait()
+        await asyncio.sleep(self._after)
+
+    async def run_once(self) -> None:
+        self._noted.clear()
+        started, self._started = self._started, {}
+        # Finished ones are left out: their outcome is written (or about to be).
+        running = {
+            job_id: {"attempt": attempt}
+            for job_id, attempt in started.items()
+            if self._leased.get(job_id, (None,))[0] == attempt
+        }
+        if not running:
+            return
+        try:
+            async with self._pool.connection() as conn:
+                await conn.execute(
+                    self._statement, {**fenced_batch(running), "worker_id": self._worker_id}
+                )
+        except BaseException:
+            # Not written: try again with the next batch (a job finished meanwhile is
+            # left out then).
+            for job_id, entry in running.items():
+                self._started.setdefault(job_id, entry["attempt"])
+            self._noted.set()
+            raise
