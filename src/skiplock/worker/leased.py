@@ -25,6 +25,7 @@ from skiplock.cursor import ClaimCursor
 from skiplock.metrics import NullMetrics
 from skiplock.sql import claim, render
 from skiplock.types import ClaimedJob
+from skiplock.worker import job_log
 from skiplock.worker.heartbeat import Leased
 from skiplock.worker.limits import QueueLimits
 from skiplock.worker.producer import Fetch, Reservation, Slots
@@ -120,11 +121,14 @@ class LeasedJobs:
                 self._metrics.claimed(queue, len(rows))
             # Columns 4, 5 and 0 are priority, run_at and id: the claim order.
             cursor.advance([(row[4], row[5], row[0]) for row in rows])
+            told = job_log.told()
             for row in rows:
                 job = executor.claimed_from_row(row)
                 task = asyncio.create_task(self._run(job, threads, slots))
                 self.held[job.id] = (job.attempts, task)
                 self._job_tasks[job.id] = job.task
+                if told:
+                    job_log.claimed(job)
             return len(rows) >= limit
 
         return fetch
@@ -170,15 +174,9 @@ class LeasedJobs:
             pending = self._progress.pop(job.id, None)
             if pending is not None and pending[0] == job.attempts:
                 outcome = dataclasses.replace(outcome, progress_json=pending[1])
-            kind = outcome.kind
-            self._metrics.job_finished(job.queue, job.task, kind, time.perf_counter() - started)
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug(
-                    "job %s %s",
-                    job.id,
-                    kind,
-                    extra={"job_id": job.id, "task": job.task, "attempt": job.attempts},
-                )
+            seconds = time.perf_counter() - started
+            self._metrics.job_finished(job.queue, job.task, outcome.kind, seconds)
+            job_log.finished(job, outcome, seconds)
             if self.held.get(job.id, (None,))[0] == job.attempts:
                 self.completer.add(outcome)
         finally:

@@ -41,6 +41,7 @@ from skiplock.sql import claim, complete, maintenance, render
 from skiplock.tasks import MAX_QUEUE_NAME, check_name
 from skiplock.types import ClaimedJob
 from skiplock.waiting import wait_event
+from skiplock.worker import job_log
 from skiplock.worker.cancels import CancelRequests
 from skiplock.worker.heartbeat import Heartbeat
 from skiplock.worker.leader import (
@@ -552,6 +553,7 @@ class Worker:
 
     def _transactional_finished(self, job: ClaimedJob, kind: str, seconds: float) -> None:
         self.metrics.job_finished(job.queue, job.task, kind, seconds)
+        job_log.transactional_finished(job, kind, seconds)
 
     def request_cancel(self, job_id: int) -> None:
         """Stop a running job of this worker: async handlers are cancelled, sync handlers

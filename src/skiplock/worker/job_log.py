@@ -1,0 +1,85 @@
+"""What a worker says about each job, on the ``skiplock.jobs`` logger.
+
+Failed attempts at WARNING and dead jobs at ERROR, always: task, job id, attempt/max and
+the exception, its traceback at the first and the last attempt only (the job's errors
+keep every one). Claims, completions and the other outcomes at INFO, which
+``skiplock worker -v`` turns on. A job that succeeds costs an ``isEnabledFor`` check.
+Records carry ``job_id``, ``task``, ``queue`` and ``attempt`` for handlers that format
+fields.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from skiplock.completer import Outcome
+from skiplock.types import ClaimedJob
+
+jobs_log = logging.getLogger("skiplock.jobs")
+
+
+def fields(job: ClaimedJob, attempt: int) -> dict[str, Any]:
+    return {"job_id": job.id, "task": job.task, "queue": job.queue, "attempt": attempt}
+
+
+def told() -> bool:
+    """Whether claims and completions are logged (checked once per claim or job)."""
+    return jobs_log.isEnabledFor(logging.INFO)
+
+
+def claimed(job: ClaimedJob) -> None:
+    jobs_log.info(
+        "job %s (%s) claimed from %s, attempt %d/%d",
+        *(job.id, job.task, job.queue, job.attempts, job.max_attempts),
+        extra=fields(job, job.attempts),
+    )
+
+
+def finished(job: ClaimedJob, outcome: Outcome, seconds: float) -> None:
+    """A lease-mode attempt's outcome."""
+    if outcome.error is not None:
+        failed(job, job.attempts, outcome)
+    elif told():
+        jobs_log.info(
+            "job %s (%s) %s in %.3fs, attempt %d/%d",
+            *(job.id, job.task, outcome.kind, seconds, job.attempts, job.max_attempts),
+            extra=fields(job, job.attempts),
+        )
+
+
+def failed(job: ClaimedJob, attempt: int, outcome: Outcome) -> None:
+    error = outcome.error or {}
+    last = outcome.dead or attempt >= job.max_attempts
+    then = "it is dead" if outcome.dead else f"retrying in {outcome.delay:.3g}s"
+    traceback = error.get("traceback") if attempt == 1 or last else None
+    jobs_log.log(
+        logging.ERROR if outcome.dead else logging.WARNING,
+        "job %s (%s) failed, attempt %d/%d: %s: %s; %s%s",
+        *(job.id, job.task, attempt, job.max_attempts),
+        error.get("type", "?"),
+        error.get("message", ""),
+        then,
+        f"\n{traceback.rstrip()}" if traceback else "",
+        extra=fields(job, attempt),
+    )
+
+
+def transactional_finished(job: ClaimedJob, kind: str, seconds: float) -> None:
+    """A transactional attempt's outcome. The executor does not hand the exception on
+    (the job's errors have it), so a failure is logged without it."""
+    attempt = job.attempts + 1  # a transactional claim does not count the attempt
+    if kind in ("retried", "dead"):
+        jobs_log.log(
+            logging.ERROR if kind == "dead" else logging.WARNING,
+            "job %s (%s) failed, attempt %d/%d%s (transactional: its errors say why)",
+            *(job.id, job.task, attempt, job.max_attempts),
+            "; it is dead" if kind == "dead" else "",
+            extra=fields(job, attempt),
+        )
+    elif told():
+        jobs_log.info(
+            "job %s (%s) %s in %.3fs, attempt %d/%d",
+            *(job.id, job.task, kind, seconds, attempt, job.max_attempts),
+            extra=fields(job, attempt),
+        )
