@@ -217,6 +217,7 @@ ROBUST = {
         {**fenced(), "lease_seconds": 30.0},
     ),
     "release": (complete.JOB_RELEASE_MANY_IF_LEASED, {**fenced(), "channel": "c"}),
+    "mark started": (claim.JOB_MARK_STARTED, fenced()),
     "promote": (maintenance.JOB_PROMOTE_DUE, {"limit": 1000, "channel": "c"}),
     "admit": (keys.ADMIT, {"keys": ["k1", "k2"], "channel": "c"}),
 }

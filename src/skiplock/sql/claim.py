@@ -84,14 +84,18 @@ if JOB_CLAIM_AHEAD == JOB_CLAIM_BATCH:  # pragma: no cover - guards the edit abo
 # A prefetching worker records, in one statement per batch, that jobs it claimed ahead
 # have started and are still running, so that rescue charges them. Written a moment
 # after they start, and only for jobs still running then: most jobs finish first, and
-# their outcome is all that is written. Fenced like an outcome.
+# their outcome is all that is written. Fenced like an outcome. SKIP LOCKED: a row another
+# transaction has locked is not waited for; it is not returned, and asked for again.
 JOB_MARK_STARTED = """
 UPDATE {jobs} AS j
 SET claimed_ahead = false
-WHERE j.id = ANY(%(ids)s::bigint[])
+WHERE j.id = ANY(ARRAY(
+    SELECT k.id FROM {jobs} AS k
+    WHERE k.id = ANY(%(ids)s::bigint[]) AND k.claimed_ahead
+    FOR UPDATE SKIP LOCKED))
   AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
   AND j.worker_id = %(worker_id)s
-  AND j.claimed_ahead
+RETURNING j.id
 """
 
 # The probe for a lease-mode cursor, run off the claim path every few seconds: the first

@@ -71,15 +71,17 @@ class StartRecorder(PeriodicService):
         }
         if not running:
             return
+        marked: set[int] = set()
         try:
             async with self._pool.connection() as conn:
-                await conn.execute(
+                cur = await conn.execute(
                     self._statement, {**fenced_batch(running), "worker_id": self._worker_id}
                 )
-        except BaseException:
-            # Not written: try again with the next batch (a job finished meanwhile is
-            # left out then).
+                marked = {int(row[0]) for row in await cur.fetchall()}
+        finally:
+            # Not written (the statement failed, or another transaction held the row):
+            # again with the next batch, unless the job has finished by then.
             for job_id, entry in running.items():
-                self._started.setdefault(job_id, entry["attempt"])
-            self._noted.set()
-            raise
+                if job_id not in marked:
+                    self._started.setdefault(job_id, entry["attempt"])
+                    self._noted.set()
