@@ -112,10 +112,12 @@ def test_claims_and_completions_are_info_and_off_by_default(
 # -- the CLI ---------------------------------------------------------------------------
 
 
-def run_worker(database_url: str, log_path: Path, *options: str) -> subprocess.Popen[bytes]:
+def run_worker(
+    database_url: str, log_path: Path, options: list[str], worker_options: list[str]
+) -> subprocess.Popen[bytes]:
     command = [
         *(sys.executable, "-m", "skiplock", "--database-url", database_url, *options),
-        *("worker", WORKER_APP, "--queues", QUEUE, "--poll-interval", "0.1"),
+        *("worker", WORKER_APP, "--queues", QUEUE, "--poll-interval", "0.1", *worker_options),
     ]
     env = {**os.environ, "SKIPLOCK_DATABASE_URL": database_url}
     with log_path.open("wb") as log:
@@ -132,13 +134,18 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-@pytest.mark.parametrize("verbose", [False, True], ids=["plain", "-v"])
+@pytest.mark.parametrize(
+    ("verbose", "processes"),
+    [(False, []), (True, []), (True, ["--processes", "1"])],
+    ids=["plain", "-v", "-v --processes"],
+)
 def test_skiplock_worker_shows_failures_and_with_v_claims_and_completions(
     app: skiplock.App,
     db: psycopg.Connection[Any],
     database_url: str,
     tmp_path: Path,
     verbose: bool,
+    processes: list[str],
 ) -> None:
     ok = enqueue(app, db, LEASED)[0]
     # Arguments the handler does not take: a TypeError at every attempt.
@@ -146,7 +153,8 @@ def test_skiplock_worker_shows_failures_and_with_v_claims_and_completions(
     log_path = tmp_path / "worker.log"
     failed = f"job {bad} ({LEASED}) failed, attempt 1/5: TypeError: "
 
-    proc = run_worker(database_url, log_path, *(["-v"] if verbose else []))
+    # With --processes, the worker processes are the supervisor's children: -v is theirs too.
+    proc = run_worker(database_url, log_path, ["-v"] if verbose else [], processes)
     try:
         wait_until(
             lambda: all_finished(db, [ok]) and failed in log_path.read_text(),

@@ -130,7 +130,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def _supervise(args: argparse.Namespace) -> int:
     """Run ``--processes`` single-process workers, forwarding stop signals and
     restarting any that die, so CPU-bound sync handlers use every core."""
-    command = [sys.executable, "-m", "skiplock"]
+    command = [sys.executable, "-m", "skiplock", *["-v"] * args.verbose]
     if args.schema:
         command += ["--schema", args.schema]
     # The URL reaches the children through their environment, never their command line
