@@ -80,6 +80,43 @@ def test_each_failed_attempt_is_a_warning_and_a_dead_job_an_error(
     assert "raise ValueError" in messages[0]
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_transactional_failure_is_logged_with_its_exception(
+    app: skiplock.App,
+    start_worker: StartWorker,
+    autocommit: psycopg.Connection[Any],
+    caplog: pytest.LogCaptureFixture,
+    kind: str,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="skiplock.jobs")
+
+    if kind == "sync":
+
+        @app.task(name="tx", transactional=True, max_attempts=2, retry=NO_BACK_OFF)
+        def tx(conn: Any, n: int) -> None:
+            raise KeyError(f"missing {n}")
+
+    else:
+
+        @app.task(name="tx", transactional=True, max_attempts=2, retry=NO_BACK_OFF)
+        async def tx(conn: Any, n: int) -> None:
+            raise KeyError(f"missing {n}")
+
+    start_worker(app, poll_interval=0.05)
+    with psycopg.connect(app.database_url) as conn:
+        job_id = tx.enqueue(conn, n=7)
+    wait_until(lambda: state_of(autocommit, job_id) == "dead", 15.0, "the job to die")
+    wait_until(lambda: len(about(caplog, job_id)) >= 2, 5.0, "two records")
+
+    records = about(caplog, job_id)
+    assert [r.levelno for r in records] == [logging.WARNING, logging.ERROR]
+    messages = [r.getMessage() for r in records]
+    for attempt, message in enumerate(messages, start=1):
+        assert f"job {job_id} (tx) failed, attempt {attempt}/2: KeyError: 'missing 7'" in message
+    assert "dead" in messages[1]
+    assert all(TRACEBACK in m for m in messages)  # the first and the last attempt
+
+
 def test_claims_and_completions_are_info_and_off_by_default(
     app: skiplock.App,
     start_worker: StartWorker,

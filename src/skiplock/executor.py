@@ -42,6 +42,9 @@ from skiplock.types import ClaimedJob
 log = logging.getLogger("skiplock.executor")
 
 Clock = Callable[[], datetime]
+# Told of each transactional job's end: the job, its outcome word, the seconds it took,
+# and the error record written when it failed.
+Finished = Callable[[ClaimedJob, str, float, dict[str, Any] | None], None]
 MAX_TRACEBACK_CHARS = 20_000
 DEFAULT_POLICY = RetryPolicy()
 # The furthest a handler may put its job off (Retry/Snooze after=...): past this the
@@ -345,6 +348,12 @@ def _lost_reason(exc: BaseException) -> str:
     )
 
 
+def _error(statement: str, params: dict[str, Any]) -> dict[str, Any] | None:
+    """The error record a transactional failure step writes (for the worker's log)."""
+    encoded = params.get("error")
+    return json.loads(encoded) if isinstance(encoded, str) else None
+
+
 def _kind(statement: str, params: dict[str, Any]) -> str:
     """The outcome word (as Outcome.kind) of a transactional step, for metrics."""
     if "error" in params:
@@ -375,7 +384,7 @@ async def run_transactional_async(
     rng: random.Random,
     clock: Clock = utcnow,
     on_claimed: Callable[[int], None] = lambda n: None,
-    on_finished: Callable[[ClaimedJob, str, float], None] = lambda job, kind, seconds: None,
+    on_finished: Finished = lambda job, kind, seconds, error: None,
 ) -> int:
     """Claim, run and record up to ``limit`` async transactional jobs in one transaction.
 
@@ -426,7 +435,7 @@ async def run_transactional_async(
                         await conn.execute(*step)
                 assert step is not None
                 running = None
-                on_finished(job, _kind(*step), time.perf_counter() - started)
+                on_finished(job, _kind(*step), time.perf_counter() - started, _error(*step))
             if jobs:
                 await conn.execute(*_done_notify(app))
     except Exception as exc:
@@ -529,7 +538,7 @@ def run_transactional_sync(
     rng: random.Random,
     clock: Clock = utcnow,
     on_claimed: Callable[[int], None] = lambda n: None,
-    on_finished: Callable[[ClaimedJob, str, float], None] = lambda job, kind, seconds: None,
+    on_finished: Finished = lambda job, kind, seconds, error: None,
 ) -> int:
     """Sync twin of ``run_transactional_async``, run in a worker thread. A task's timeout
     is enforced by the server (SESSION_LIMIT), for that job only."""
@@ -586,7 +595,7 @@ def run_transactional_sync(
                     )
                 assert step is not None
                 running = None
-                on_finished(job, _kind(*step), time.perf_counter() - started)
+                on_finished(job, _kind(*step), time.perf_counter() - started, _error(*step))
             if jobs:
                 conn.execute(*_done_notify(app))
     except Exception as exc:

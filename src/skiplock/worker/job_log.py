@@ -65,16 +65,23 @@ def failed(job: ClaimedJob, attempt: int, outcome: Outcome) -> None:
     )
 
 
-def transactional_finished(job: ClaimedJob, kind: str, seconds: float) -> None:
-    """A transactional attempt's outcome. The executor does not hand the exception on
-    (the job's errors have it), so a failure is logged without it."""
+def transactional_finished(
+    job: ClaimedJob, kind: str, seconds: float, error: dict[str, Any] | None
+) -> None:
+    """A transactional attempt's outcome; ``error`` is the record written when it failed."""
     attempt = job.attempts + 1  # a transactional claim does not count the attempt
     if kind in ("retried", "dead"):
+        record = error or {}
+        last = kind == "dead" or attempt >= job.max_attempts
+        traceback = record.get("traceback") if attempt == 1 or last else None
         jobs_log.log(
             logging.ERROR if kind == "dead" else logging.WARNING,
-            "job %s (%s) failed, attempt %d/%d%s (transactional: its errors say why)",
+            "job %s (%s) failed, attempt %d/%d: %s: %s%s%s",
             *(job.id, job.task, attempt, job.max_attempts),
+            record.get("type", "?"),
+            record.get("message", ""),
             "; it is dead" if kind == "dead" else "",
+            f"\n{traceback.rstrip()}" if traceback else "",
             extra=fields(job, attempt),
         )
     elif told():

@@ -17,7 +17,6 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from skiplock import executor
 from skiplock.app import App
-from skiplock.types import ClaimedJob
 from skiplock.worker.limits import QueueLimits
 from skiplock.worker.producer import Producer, Reservation, Slots
 
@@ -38,7 +37,7 @@ class TransactionalSessions:
         rng: random.Random,
         on_claimed: Callable[[str, int], None],
         on_completed: Callable[[int], None],
-        on_finished: Callable[[ClaimedJob, str, float], None],
+        on_finished: executor.Finished,
         gate: asyncio.Semaphore | None = None,
     ) -> None:
         self.app = app

@@ -551,9 +551,11 @@ class Worker:
     def _transactional_completed(self, count: int) -> None:
         self.stats.transactional_completed += count
 
-    def _transactional_finished(self, job: ClaimedJob, kind: str, seconds: float) -> None:
+    def _transactional_finished(
+        self, job: ClaimedJob, kind: str, seconds: float, error: dict[str, Any] | None
+    ) -> None:
         self.metrics.job_finished(job.queue, job.task, kind, seconds)
-        job_log.transactional_finished(job, kind, seconds)
+        job_log.transactional_finished(job, kind, seconds, error)
 
     def request_cancel(self, job_id: int) -> None:
         """Stop a running job of this worker: async handlers are cancelled, sync handlers
