@@ -525,14 +525,19 @@ def _reset_schema(url: str, schema: str) -> str:
 
 @contextlib.contextmanager
 def _quiet_workers() -> Iterator[None]:
-    """Workers log their start and stop at INFO; the report is the demo's output."""
-    logger = logging.getLogger("skiplock")
-    previous = logger.level
-    logger.setLevel(logging.WARNING)
+    """Workers log their start and stop at INFO, and each failed attempt (skiplock.jobs)
+    at WARNING with its traceback; the demo's flaky and broken jobs fail by design, and
+    its report says how they ended: the report is the demo's output."""
+    loggers = {logging.getLogger("skiplock"): logging.WARNING}
+    loggers[logging.getLogger("skiplock.jobs")] = logging.CRITICAL
+    previous = {logger: logger.level for logger in loggers}
+    for logger, level in loggers.items():
+        logger.setLevel(level)
     try:
         yield
     finally:
-        logger.setLevel(previous)
+        for logger, level in previous.items():
+            logger.setLevel(level)
 
 
 def run(database_url: str | None, schema: str, prefetch: int = 0) -> dict[str, Any]:
