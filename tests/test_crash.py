@@ -637,7 +637,7 @@ def test_every_fenced_write_refuses_a_stale_attempt(
                 entry["delay"] = 1.0
             entries[job_id] = entry
         params: dict[str, Any] = {**fenced_batch(entries), "worker_id": worker}
-        if statement in (complete.JOB_EXTEND_LEASES, maintenance.JOB_EXTEND_LEASES_SKIP_LOCKED):
+        if statement == maintenance.JOB_EXTEND_LEASES_SKIP_LOCKED:
             params["lease_seconds"] = 300
         elif statement == complete.JOB_RELEASE_MANY_IF_LEASED:
             params["channel"] = f"{SCHEMA}.jobs"
@@ -646,7 +646,6 @@ def test_every_fenced_write_refuses_a_stale_attempt(
     fenced = [
         complete.JOB_COMPLETE_MANY_IF_LEASED,
         complete.JOB_FAIL_MANY_IF_LEASED,
-        complete.JOB_EXTEND_LEASES,
         maintenance.JOB_EXTEND_LEASES_SKIP_LOCKED,
         complete.JOB_RELEASE_MANY_IF_LEASED,
         complete.JOB_SNOOZE_MANY_IF_LEASED,

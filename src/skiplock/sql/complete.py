@@ -91,18 +91,6 @@ RETURNING id
 """
 )
 
-# Heartbeat for long jobs: push the lease forward for every job this worker still holds.
-# A job missing from RETURNING was rescued: its handler should stop. A job returned with
-# a cancel request is cancelled (in case its notification was missed).
-JOB_EXTEND_LEASES = """
-UPDATE {jobs} AS j
-SET lease_expires_at = now() + %(lease_seconds)s * interval '1 second'
-WHERE j.id = ANY(%(ids)s::bigint[])
-  AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
-  AND j.worker_id = %(worker_id)s
-RETURNING j.id, j.cancel_requested_at IS NOT NULL
-"""
-
 # "Not yet": the handler raised Snooze. Back of the queue after the delay, and the attempt
 # is given back: nothing failed.
 JOB_SNOOZE_MANY_IF_LEASED = """

@@ -5,7 +5,7 @@ not running costs nothing; one for a job it runs is looked up first (JOB_CANCEL_
 the row must carry cancel_requested_at, for this worker and the attempt it runs). The
 requests that arrive while a lookup runs are confirmed together by the next one, so a
 flood costs one query at a time. A request whose notification was missed, or whose
-lookup failed, still reaches the job at its next heartbeat (JOB_EXTEND_LEASES).
+lookup failed, still reaches the job at its next heartbeat (JOB_EXTEND_LEASES_SKIP_LOCKED).
 """
 
 from __future__ import annotations
