@@ -42,6 +42,7 @@ from test_crash import (
     release,
     wait_until,
 )
+from test_worker import state_of
 
 # The crash tests' fixtures: the worker processes and the tables their handlers write.
 crash_tables = test_crash.crash_tables
@@ -202,15 +203,6 @@ def test_rescue_gives_back_the_attempt_of_a_job_that_never_started_once(
 
 
 # -- cancel requests -----------------------------------------------------------------------
-
-
-def state_of(conn: psycopg.Connection[Any], job_id: int) -> str | None:
-    row = conn.execute(
-        "SELECT state FROM skiplock.jobs WHERE id = %(id)s "
-        "UNION ALL SELECT state FROM skiplock.job_history WHERE id = %(id)s",
-        {"id": job_id},
-    ).fetchone()
-    return None if row is None else str(row[0])
 
 
 def test_a_job_released_at_shutdown_whose_cancel_was_asked_for_ends_cancelled(

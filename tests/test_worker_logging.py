@@ -24,6 +24,7 @@ import test_crash
 from conftest import StartWorker, wait_until
 from skiplock.retry import RetryPolicy
 from test_crash import LEASED, QUEUE, WORKER_APP, all_finished, enqueue
+from test_worker import state_of
 
 NO_BACK_OFF = RetryPolicy(base=0.0, cap=0.0, jitter=0.0)
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,15 +33,6 @@ TRACEBACK = "Traceback (most recent call last)"
 # The crash tests' fixtures: their app's tables (tests/crash_app.py).
 crash_tables = test_crash.crash_tables
 db = test_crash.db
-
-
-def state_of(conn: psycopg.Connection[Any], job_id: int) -> str | None:
-    row = conn.execute(
-        "SELECT state FROM skiplock.jobs WHERE id = %(id)s "
-        "UNION ALL SELECT state FROM skiplock.job_history WHERE id = %(id)s",
-        {"id": job_id},
-    ).fetchone()
-    return None if row is None else str(row[0])
 
 
 def about(caplog: pytest.LogCaptureFixture, job_id: int) -> list[logging.LogRecord]:
