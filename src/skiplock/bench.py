@@ -34,6 +34,10 @@ from skiplock.cursor import ClaimCursor
 from skiplock.sql import claim, complete, render
 
 BENCH_SCHEMA = "skiplock_bench"
+REFERENCE_SCHEMA = "skiplock_bench_reference"
+# Extra arguments for every bench worker process (``bench --worker-args``), for A/B runs
+# of a setting; empty means the worker's defaults.
+WORKER_ARGS: list[str] = []
 
 # The app the worker processes run: no-op and probe handlers.
 app = App(schema=os.environ.get(SCHEMA_ENV, BENCH_SCHEMA))
@@ -144,7 +148,11 @@ def feature_jobs(conn: psycopg.Connection[Any], schema: str, feature: str, count
 
 @contextmanager
 def worker_processes(
-    url: str, schema: str, processes: int, concurrency: int
+    url: str,
+    schema: str,
+    processes: int,
+    concurrency: int,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
     """Start ``processes`` worker processes and wait until each has registered. The URL
     goes in their environment: a command line is readable by every user of the machine."""
@@ -161,6 +169,8 @@ def worker_processes(
         str(concurrency),
         "--poll-interval",
         "0.5",
+        *extra_args,
+        *WORKER_ARGS,
     ]
     children = [
         subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -228,11 +238,26 @@ def drain_once(
 ) -> float:
     """Jobs per second for ``jobs`` no-op jobs committed at once, workers already idle;
     with ``feature``, every job uses it (FEATURES)."""
+    return drain_measured(url, schema, jobs, processes, concurrency, setup, feature)[0]
+
+
+def drain_measured(
+    url: str,
+    schema: str,
+    jobs: int,
+    processes: int,
+    concurrency: int,
+    setup: Callable[[psycopg.Connection[Any]], None] | None = None,
+    feature: str | None = None,
+) -> tuple[float, Cpu]:
+    """``drain_once``, with the CPU the drain cost per job: the worker processes' and
+    that of the PostgreSQL backends serving them."""
     with fresh_schema(url, schema), psycopg.connect(url, autocommit=True) as conn:
         if setup is not None:
             setup(conn)
             conn.execute(sql.SQL("VACUUM ANALYZE {}").format(sql.Identifier(schema, "jobs")))
-        with worker_processes(url, schema, processes, concurrency):
+        with worker_processes(url, schema, processes, concurrency) as children:
+            meter = CpuMeter(conn, [c.pid for c in children], "skiplock %")
             with conn.transaction():
                 if feature is None:
                     copy_jobs(conn, schema, "bench.noop", jobs)
@@ -243,7 +268,316 @@ def drain_once(
             # now() above is after the commit: a slight underestimate of the drain time is
             # impossible, the commit is earlier still.
             _wait_drained(conn, schema, timeout=600)
-            return jobs / _drain_seconds(conn, schema, started[0])
+            cpu = meter.per_job(jobs)
+            return jobs / _drain_seconds(conn, schema, started[0]), cpu
+
+
+@dataclass(frozen=True)
+class Cpu:
+    """CPU microseconds per job: the client processes' (Python), and the PostgreSQL
+    backends' serving them; None where it could not be read (a server on another host)."""
+
+    python_us: float | None
+    postgres_us: float | None
+
+
+def _proc_cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU of a process (all its threads) from /proc; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    # After the command name: state is field 3, utime and stime are fields 14 and 15.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU used from now until ``per_job`` by some client processes and by the backends
+    whose application_name matches ``backends`` (a LIKE pattern). Backends are read from
+    /proc, so only for a server on this machine; new backends count from zero."""
+
+    def __init__(
+        self, conn: psycopg.Connection[Any], clients: Sequence[int], backends: str
+    ) -> None:
+        self._conn = conn
+        self._clients = list(clients)
+        self._pattern = backends
+        self._start_clients = self._client_seconds()
+        self._start_backends = self._backend_seconds()
+
+    def _client_seconds(self) -> float | None:
+        total = 0.0
+        for pid in self._clients:
+            seconds = _proc_cpu_seconds(pid)
+            if seconds is None:
+                return None
+            total += seconds
+        return total
+
+    def _backend_seconds(self) -> dict[int, float] | None:
+        rows = self._conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+            "AND application_name LIKE %s",
+            (self._pattern,),
+        ).fetchall()
+        found: dict[int, float] = {}
+        for (pid,) in rows:
+            seconds = _proc_cpu_seconds(pid)
+            if seconds is None:
+                return None  # not a process of this machine
+            found[pid] = seconds
+        return found
+
+    def per_job(self, jobs: int) -> Cpu:
+        clients, backends = self._client_seconds(), self._backend_seconds()
+        python_us = postgres_us = None
+        if clients is not None and self._start_clients is not None:
+            python_us = (clients - self._start_clients) * 1e6 / jobs
+        if backends is not None and self._start_backends is not None:
+            used = sum(s - self._start_backends.get(pid, 0.0) for pid, s in backends.items())
+            postgres_us = used * 1e6 / jobs
+        return Cpu(python_us, postgres_us)
+
+
+# The lesson's worker after its exercise 2 (claim up to 10 jobs per transaction), with
+# no-op handlers: the reference a library must beat at its own defaults.
+REFERENCE_TABLE = """
+CREATE TABLE job_queue (
+  id           bigserial PRIMARY KEY,
+  kind         text NOT NULL,
+  payload      jsonb NOT NULL DEFAULT '{}',
+  run_at       timestamptz NOT NULL DEFAULT now(),
+  attempts     int NOT NULL DEFAULT 0,
+  max_attempts int NOT NULL DEFAULT 3,
+  last_error   text,
+  done_at      timestamptz
+);
+CREATE INDEX job_queue_ready ON job_queue (run_at) WHERE done_at IS NULL;
+CREATE FUNCTION job_queue_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  PERFORM pg_notify('reference_jobs', NEW.kind);
+  RETURN NULL;
+END $$;
+CREATE TRIGGER job_queue_notify AFTER INSERT ON job_queue
+  FOR EACH ROW EXECUTE FUNCTION job_queue_notify();
+"""
+REFERENCE_CLAIM = """
+SELECT id, kind, payload, attempts FROM job_queue
+WHERE done_at IS NULL AND run_at <= now() AND attempts < max_attempts
+ORDER BY run_at
+FOR UPDATE SKIP LOCKED
+LIMIT 10"""
+REFERENCE_THREADS = 4
+REFERENCE_NAME = "skiplock-bench-reference"
+
+
+def _reference_thread(url: str, ready: Any, stop: Any) -> None:
+    options = f"-c search_path={REFERENCE_SCHEMA}"
+    with (
+        psycopg.connect(url, options=options, application_name=REFERENCE_NAME) as conn,
+        psycopg.connect(
+            url, autocommit=True, options=options, application_name=REFERENCE_NAME
+        ) as listen,
+    ):
+        listen.execute("LISTEN reference_jobs")
+        ready.wait()
+        while not stop.is_set():
+            with conn.transaction():
+                jobs = conn.execute(REFERENCE_CLAIM).fetchall()
+                for job_id, _kind, _payload, _attempts in jobs:
+                    conn.execute(
+                        "UPDATE job_queue SET done_at = clock_timestamp(), "
+                        "attempts = attempts + 1 WHERE id = %s",
+                        (job_id,),
+                    )
+            if not jobs:
+                for _ in listen.notifies(timeout=0.2, stop_after=1):
+                    pass
+
+
+def _reference_process(url: str, ready: Any, stop: Any) -> None:
+    threads = [
+        threading.Thread(target=_reference_thread, args=(url, ready, stop))
+        for _ in range(REFERENCE_THREADS)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def reference_once(url: str, jobs: int) -> tuple[float, Cpu]:
+    """The lesson's exercise-2 worker (4 threads, claim 10 per transaction, each job
+    finished in the claiming transaction) draining ``jobs`` no-op jobs, in a process of
+    its own so its CPU is counted apart."""
+    schema = sql.Identifier(REFERENCE_SCHEMA)
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(schema))
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(schema))
+        conn.execute(sql.SQL("SET search_path = {}").format(schema))
+        conn.execute(REFERENCE_TABLE)
+        context = multiprocessing.get_context("spawn")
+        ready, stop = context.Barrier(REFERENCE_THREADS + 1), context.Event()
+        child = context.Process(target=_reference_process, args=(url, ready, stop))
+        child.start()
+        try:
+            ready.wait(timeout=60)
+            assert child.pid is not None
+            meter = CpuMeter(conn, [child.pid], REFERENCE_NAME)
+            conn.execute(
+                "INSERT INTO job_queue (kind) SELECT 'noop' FROM generate_series(1, %s)",
+                (jobs,),
+            )
+            started = conn.execute("SELECT now()").fetchone()
+            assert started is not None
+            deadline = time.monotonic() + 600
+            while conn.execute(
+                "SELECT EXISTS (SELECT 1 FROM job_queue WHERE done_at IS NULL)"
+            ).fetchone() != (False,):
+                if time.monotonic() > deadline or child.exitcode is not None:
+                    raise RuntimeError("the reference worker did not drain its jobs")
+                time.sleep(0.02)
+            cpu = meter.per_job(jobs)
+            row = conn.execute(
+                "SELECT extract(epoch FROM max(done_at) - %s)::float8 FROM job_queue",
+                (started[0],),
+            ).fetchone()
+            assert row is not None
+            return jobs / float(row[0]), cpu
+        finally:
+            stop.set()
+            child.join(30)
+            if child.is_alive():
+                child.kill()
+                child.join()
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(schema))
+
+
+ENQUEUE_CLIENTS = (8, 32)
+ENQUEUE_PROCESSES = 4
+
+
+def _enqueue_process(
+    url: str, schema: str, clients: int, seconds: float, start: Any, out: Any
+) -> None:
+    """``clients`` threads, each on its own connection enqueuing one job per
+    transaction, as web requests do, for ``seconds``."""
+    bench_app = App(url, schema=schema)
+    task = bench_app.task(name="bench.noop")(noop.fn)
+    counts = [0] * clients
+
+    def client(index: int) -> None:
+        with psycopg.connect(url) as conn:
+            start.wait()
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                task.enqueue(conn)
+                conn.commit()
+                counts[index] += 1
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    out.put(sum(counts))
+
+
+def _set_insert_triggers(conn: psycopg.Connection[Any], schema: str, enabled: bool) -> None:
+    """Enable or disable the jobs table's insert triggers (the wake-up notification)."""
+    names = conn.execute(
+        "SELECT tgname FROM pg_trigger WHERE tgrelid = %s::regclass "
+        "AND NOT tgisinternal AND tgtype & 4 <> 0",  # TRIGGER_TYPE_INSERT
+        (f"{schema}.jobs",),
+    ).fetchall()
+    action = sql.SQL("ENABLE" if enabled else "DISABLE")
+    for (name,) in names:
+        conn.execute(
+            sql.SQL("ALTER TABLE {} {} TRIGGER {}").format(
+                sql.Identifier(schema, "jobs"), action, sql.Identifier(name)
+            )
+        )
+
+
+def enqueue_concurrent_once(
+    url: str, schema: str, clients: int, seconds: float, notify: bool
+) -> float:
+    """Jobs/s committed by ``clients`` connections each enqueuing one job per
+    transaction; without ``notify``, the insert triggers are disabled (the same insert
+    without any notification: the reference)."""
+    with fresh_schema(url, schema), psycopg.connect(url, autocommit=True) as conn:
+        _set_insert_triggers(conn, schema, notify)
+        context = multiprocessing.get_context("spawn")
+        processes = min(clients, ENQUEUE_PROCESSES)
+        out = context.Queue()
+        start = context.Barrier(clients + 1)
+        children = [
+            context.Process(
+                target=_enqueue_process,
+                args=(url, schema, len(range(i, clients, processes)), seconds, start, out),
+            )
+            for i in range(processes)
+        ]
+        for child in children:
+            child.start()
+        try:
+            start.wait(timeout=60)
+        except threading.BrokenBarrierError:
+            raise RuntimeError("an enqueuing process did not connect") from None
+        total = sum(int(out.get(timeout=seconds + 60)) for _ in children)
+        for child in children:
+            child.join()
+        return total / seconds
+
+
+def enqueue_concurrent(url: str, schema: str, seconds: float, runs: int) -> list[Figure]:
+    figures = []
+    for clients in ENQUEUE_CLIENTS:
+        with_notify = Figure(f"enqueue-concurrent {clients} clients", "jobs/s")
+        without = Figure(f"enqueue-concurrent {clients} clients, no trigger", "jobs/s")
+        for _ in range(runs):
+            with_notify.runs.append(enqueue_concurrent_once(url, schema, clients, seconds, True))
+            without.runs.append(enqueue_concurrent_once(url, schema, clients, seconds, False))
+        with_notify.extra["vs_no_trigger"] = round(with_notify.median / without.median, 2)
+        figures += [with_notify, without]
+    return figures
+
+
+LOW_SLOTS = (1, 4, 10)
+
+
+def low_concurrency(url: str, schema: str, jobs: int, runs: int) -> list[Figure]:
+    """One worker process at 1, 4 and 10 slots (the default) against the lesson's
+    reference, interleaved run by run so that drift of a noisy machine hits all alike."""
+    reference = Figure("lowconc reference (lesson)", "jobs/s")
+    mine = {n: Figure(f"lowconc 1x{n}", "jobs/s") for n in LOW_SLOTS}
+    cpu: dict[str, list[Cpu]] = {f.name: [] for f in (reference, *mine.values())}
+    for _ in range(runs):
+        rate, used = reference_once(url, jobs)
+        reference.runs.append(rate)
+        cpu[reference.name].append(used)
+        for slots, figure in mine.items():
+            rate, used = drain_measured(url, schema, jobs, 1, slots)
+            figure.runs.append(rate)
+            cpu[figure.name].append(used)
+    figures = [reference, *mine.values()]
+    for figure in figures:
+        figure.extra.update(_cpu_medians(cpu[figure.name]))
+        if figure is not reference:
+            figure.extra["vs_reference"] = round(figure.median / reference.median, 2)
+    return figures
+
+
+def _cpu_medians(samples: Sequence[Cpu]) -> dict[str, float | None]:
+    def median(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return round(statistics.median(known), 1) if known else None
+
+    return {
+        "py_cpu_us_per_job": median([c.python_us for c in samples]),
+        "pg_cpu_us_per_job": median([c.postgres_us for c in samples]),
+    }
 
 
 def enqueue_once(url: str, schema: str, jobs: int) -> float:
@@ -440,10 +774,13 @@ def run(
     as_json: bool,
     rate: int = 1000,
     phase_seconds: Sequence[float] = (20, 60, 180, 60),
+    enqueue_seconds: float = 20.0,
+    worker_args: Sequence[str] = (),
 ) -> int:
     # With nothing configured, bench measures the embedded server (as demo runs on it).
     url = resolve_database_url(database_url, fallback_embedded=True)
     schema = BENCH_SCHEMA
+    WORKER_ARGS[:] = worker_args
     figures: list[Figure] = []
 
     def report(figure: Figure) -> None:
@@ -475,6 +812,14 @@ def run(
         if scenario == "enqueue":
             fig = Figure("enqueue (enqueue_many)", "jobs/s")
             fig.runs = [enqueue_once(url, schema, jobs) for _ in range(runs)]
+        elif scenario == "lowconc":
+            for figure in low_concurrency(url, schema, jobs, runs):
+                report(figure)
+            continue
+        elif scenario == "enqueue-concurrent":
+            for figure in enqueue_concurrent(url, schema, enqueue_seconds, runs):
+                report(figure)
+            continue
         elif scenario == "drain":
             fig = Figure("drain", "jobs/s")
             fig.runs = [drain_once(url, schema, jobs, processes, concurrency) for _ in range(runs)]

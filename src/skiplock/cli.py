@@ -7,6 +7,7 @@ import importlib
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -514,6 +515,8 @@ SCENARIOS = (
     "unique",
     "ordered",
     "keylimit",
+    "lowconc",
+    "enqueue-concurrent",
 )
 
 
@@ -537,6 +540,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         as_json=args.json,
         rate=args.rate,
         phase_seconds=[float(x) for x in args.phases.split(",")],
+        enqueue_seconds=args.enqueue_seconds,
+        worker_args=shlex.split(args.worker_args),
     )
 
 
@@ -734,6 +739,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--phases",
         default="20,60,180,60",
         help="pressure: seconds of warm-up, clean, held and recovery (default %(default)s)",
+    )
+    p.add_argument(
+        "--enqueue-seconds",
+        type=float,
+        default=20.0,
+        help="enqueue-concurrent: seconds per run (default %(default)s)",
+    )
+    p.add_argument(
+        "--worker-args",
+        default="",
+        help="extra options for the bench's worker processes, e.g. '--prefetch 10'",
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
