@@ -154,7 +154,7 @@ def _supervise(args: argparse.Namespace) -> int:
         "--shutdown-timeout",
         str(args.shutdown_timeout),
         "--prefetch",
-        str(args.prefetch),
+        "auto" if args.prefetch is None else str(args.prefetch),
     ]
     if args.no_liveness_lock:
         command.append("--no-liveness-lock")
@@ -503,6 +503,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo.main(args.database_url, args.demo_schema, args.json, args.prefetch)
 
 
+def prefetch_setting(text: str) -> int | None:
+    """``--prefetch``: 'auto' (None: sized from job durations) or a count >= 0."""
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 0, got {text!r}")
+    return value
+
+
 SCENARIOS = (
     "enqueue",
     "drain",
@@ -589,10 +602,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=int, default=1, help="worker processes to run")
     p.add_argument(
         "--prefetch",
-        type=int,
-        default=0,
-        help="claim up to N jobs beyond free slots, so each start skips a claim round trip "
-        "(they wait leased; given back at shutdown; default 0)",
+        type=prefetch_setting,
+        default=None,
+        metavar="auto|N",
+        help="jobs to claim beyond free slots, so a start skips a claim round trip (they "
+        "wait leased; given back at shutdown). auto (the default) sizes it from how long "
+        "jobs and claims take: short jobs are claimed in batches, long ones not ahead",
     )
     p.add_argument("--lease", type=float, default=30.0, help="lease seconds (default 30)")
     p.add_argument("--poll-interval", type=float, default=1.0, help="fallback poll seconds")
@@ -717,9 +732,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--prefetch",
-        type=int,
-        default=0,
-        help="each worker claims up to N jobs beyond its free slot (default 0, as the lesson)",
+        type=prefetch_setting,
+        default=None,
+        metavar="auto|N",
+        help="jobs each worker claims beyond its free slot (default auto; 0 as the lesson)",
     )
     p.set_defaults(func=cmd_demo)
 

@@ -323,7 +323,7 @@ async def _stop(workers: Sequence[Worker], runs: Sequence[asyncio.Task[None]]) -
     await asyncio.gather(*runs, return_exceptions=True)
 
 
-async def _drain(url: str, schema: str, prefetch: int = 0) -> DrainResult:
+async def _drain(url: str, schema: str, prefetch: int | None = None) -> DrainResult:
     app = App(url, schema=schema)
     tally = Tally()
     tasks = _define_tasks(app, tally)
@@ -540,7 +540,7 @@ def _quiet_workers() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def run(database_url: str | None, schema: str, prefetch: int = 0) -> dict[str, Any]:
+def run(database_url: str | None, schema: str, prefetch: int | None = None) -> dict[str, Any]:
     """Run both halves of the demo and return the report (what ``--json`` prints)."""
     validate_schema(schema)
     # With nothing configured the demo runs on the embedded server: it is a try-out.
@@ -645,7 +645,7 @@ def render_text(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(database_url: str | None, schema: str, as_json: bool, prefetch: int = 0) -> int:
+def main(database_url: str | None, schema: str, as_json: bool, prefetch: int | None = None) -> int:
     """Run the demo and print its report; 0 when every check holds, 1 otherwise."""
     try:
         report = run(database_url, schema, prefetch)

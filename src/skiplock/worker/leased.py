@@ -28,7 +28,7 @@ from skiplock.types import ClaimedJob
 from skiplock.worker import job_log
 from skiplock.worker.heartbeat import Leased
 from skiplock.worker.limits import QueueLimits
-from skiplock.worker.producer import Fetch, Reservation, Slots
+from skiplock.worker.producer import ClaimAhead, Fetch, Reservation, Slots
 from skiplock.worker.starts import StartRecorder
 from skiplock.worker.stats import WorkerStats
 
@@ -50,6 +50,7 @@ class LeasedJobs:
         lease_seconds: float,
         gate: asyncio.Semaphore | None,
         rng: random.Random,
+        ahead: ClaimAhead | None = None,
     ) -> None:
         self._app = app
         self._worker_id = worker_id
@@ -62,6 +63,8 @@ class LeasedJobs:
         # at this gate for a slot; ``at_gate`` are those waiting.
         self._gate = gate
         self.at_gate: set[int] = set()
+        # Sizes the claims beyond free slots from how long jobs take (decision 018).
+        self.ahead = ahead
         # With prefetch, what records that jobs claimed ahead have started (decision 015).
         self.starts: StartRecorder | None = None
         self._rng = rng
@@ -86,13 +89,14 @@ class LeasedJobs:
         slots: Slots,
     ) -> Fetch:
         schema = self._app.schema
-        # A prefetching worker's jobs may wait for a slot: marked claimed ahead until they
+        # Jobs claimed beyond free slots may wait for one: marked claimed ahead until they
         # start, so that rescue does not charge one that never did (decision 015).
-        ahead = self._gate is not None
-        full = render(claim.JOB_CLAIM_AHEAD if ahead else claim.JOB_CLAIM_BATCH, schema)
-        resumed = render(
-            claim.JOB_CLAIM_AHEAD_AFTER if ahead else claim.JOB_CLAIM_BATCH_AFTER, schema
-        )
+        statements = {
+            (False, False): render(claim.JOB_CLAIM_BATCH, schema),
+            (False, True): render(claim.JOB_CLAIM_BATCH_AFTER, schema),
+            (True, False): render(claim.JOB_CLAIM_AHEAD, schema),
+            (True, True): render(claim.JOB_CLAIM_AHEAD_AFTER, schema),
+        }
         limits = self._limits
 
         async def fetch(reservation: Reservation) -> bool:
@@ -107,7 +111,7 @@ class LeasedJobs:
             after = cursor.start()
             if after is not None:
                 params.update(after_priority=after[0], after_run_at=after[1], after_id=after[2])
-            statement = full if after is None else resumed
+            statement = statements[reservation.ahead, after is not None]
             await limits.settled()
             if queue in limits:
                 rows = await limits.claim(queue, statement, params)
@@ -118,9 +122,14 @@ class LeasedJobs:
             reservation.keep(len(rows))  # each job gives its slot back when it ends
             self._stats.claimed += len(rows)
             if rows:
+                self._stats.claims += 1
+                self._stats.largest_claim = max(self._stats.largest_claim, len(rows))
                 self._metrics.claimed(queue, len(rows))
-            # Columns 4, 5 and 0 are priority, run_at and id: the claim order.
-            cursor.advance([(row[4], row[5], row[0]) for row in rows])
+            # Columns 4, 5 and 0 are priority, run_at and id: the claim order. RETURNING
+            # gives no order, and jobs claimed ahead start in the order they are created.
+            positions = sorted((row[4], row[5], row[0], row) for row in rows)
+            rows = [position[3] for position in positions]
+            cursor.advance([position[:3] for position in positions])
             told = job_log.told()
             for row in rows:
                 job = executor.claimed_from_row(row)
@@ -175,6 +184,8 @@ class LeasedJobs:
             if pending is not None and pending[0] == job.attempts:
                 outcome = dataclasses.replace(outcome, progress_json=pending[1])
             seconds = time.perf_counter() - started
+            if self.ahead is not None:
+                self.ahead.job_ended(seconds)
             self._metrics.job_finished(job.queue, job.task, outcome.kind, seconds)
             job_log.finished(job, outcome, seconds)
             if self.held.get(job.id, (None,))[0] == job.attempts:

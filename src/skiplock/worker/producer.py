@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from collections.abc import Awaitable, Callable
 
@@ -40,6 +41,13 @@ class Slots:
         """Take ``n`` slots now, for a claim about to go out (see Reservation)."""
         self.take(n)
         return Reservation(self, n, gate)
+
+    def resize(self, total: int) -> None:
+        """Change the capacity; jobs in flight beyond a smaller one keep their slots."""
+        self.free += total - self.total
+        self.total = total
+        if self.free > 0:
+            self._freed.set()
 
     def take(self, n: int) -> None:
         self.free -= n
@@ -75,6 +83,77 @@ class Slots:
         return self.total - self.free
 
 
+# Claim ahead only while the claim's round trip is at least this share of the time a slot
+# takes to run a job: below it, making a job wait for a slot costs more than it saves.
+AHEAD_WORTHWHILE = 0.1
+# Weight of the newest sample in the running averages of job and claim durations.
+AHEAD_SMOOTHING = 0.2
+
+
+class ClaimAhead:
+    """How many jobs a worker claims beyond its free slots (decision 018).
+
+    Enough to keep every slot busy while the next claim is on its way: ``concurrency``
+    slots finish ``concurrency / job_seconds`` jobs a second, so a claim that takes
+    ``claim_seconds`` must bring that many more, twice over for the claim that finds the
+    queue a moment early. Short jobs are claimed in batches; jobs long enough that the
+    claim's round trip hardly shows are not claimed ahead at all, so a worker never sits
+    on work another idle worker could run. ``fixed`` pins the number instead (the
+    ``prefetch`` option); ``most`` caps it. Pure bookkeeping: the producer's slots are
+    resized to ``concurrency + target``.
+    """
+
+    def __init__(
+        self, slots: Slots, concurrency: int, *, most: int, fixed: int | None = None
+    ) -> None:
+        self.slots = slots
+        self.concurrency = concurrency
+        self.most = most if fixed is None else fixed
+        self.fixed = fixed
+        self.job_seconds: float | None = None
+        self.claim_seconds: float | None = None
+        self.target = 0 if fixed is None else fixed
+        slots.resize(concurrency + self.target)
+
+    def job_ended(self, seconds: float) -> None:
+        previous = self.job_seconds
+        self.job_seconds = (
+            seconds if previous is None else previous + AHEAD_SMOOTHING * (seconds - previous)
+        )
+
+    def claimed(self, seconds: float) -> None:
+        previous = self.claim_seconds
+        self.claim_seconds = (
+            seconds if previous is None else previous + AHEAD_SMOOTHING * (seconds - previous)
+        )
+        if self.fixed is None:
+            self.adjust()
+
+    def adjust(self) -> None:
+        target = ahead_target(self.concurrency, self.most, self.job_seconds, self.claim_seconds)
+        if target != self.target:
+            self.target = target
+            self.slots.resize(self.concurrency + target)
+
+    def beyond_free(self) -> bool:
+        """Whether jobs now in flight (a reservation just made included) may have to wait
+        for a slot: then the claim marks them claimed ahead (decision 015)."""
+        return self.slots.busy > self.concurrency
+
+
+def ahead_target(
+    concurrency: int, most: int, job_seconds: float | None, claim_seconds: float | None
+) -> int:
+    """Jobs to claim beyond free slots for jobs and claims of these durations; 0 until
+    both have been seen. Pure."""
+    if job_seconds is None or claim_seconds is None or most <= 0:
+        return 0
+    need = 2 * concurrency * claim_seconds / max(job_seconds, 1e-6)
+    if need < AHEAD_WORTHWHILE * concurrency:
+        return 0
+    return min(most, math.ceil(need))
+
+
 class Reservation:
     """Slots taken for one claim before it goes out, and what the claim kept of them.
 
@@ -84,7 +163,7 @@ class Reservation:
     that runs as soon as it starts (a transactional session); that work takes it on.
     """
 
-    __slots__ = ("gate", "kept", "permit", "size", "slots")
+    __slots__ = ("ahead", "gate", "kept", "permit", "size", "slots")
 
     def __init__(self, slots: Slots, size: int, gate: asyncio.Semaphore | None = None) -> None:
         self.slots = slots
@@ -92,6 +171,8 @@ class Reservation:
         self.kept = 0
         self.gate = gate
         self.permit = False
+        # Whether the claimed jobs may wait for a slot (ClaimAhead.beyond_free).
+        self.ahead = False
 
     def keep(self, n: int) -> None:
         if self.kept + n > self.size:
@@ -131,6 +212,7 @@ class Producer:
         fetch_patience: float = 0.002,
         backpressure: Callable[[], Awaitable[None]] | None = None,
         gate: asyncio.Semaphore | None = None,
+        ahead: ClaimAhead | None = None,
     ) -> None:
         self.name = name
         self._fetch = fetch
@@ -143,6 +225,9 @@ class Producer:
         # Work that runs as soon as it starts (transactional sessions) also needs one of
         # the prefetch gate's run permits, which jobs claimed ahead wait for.
         self._gate = gate
+        # Lease-mode claims only: told how long each claim took, and says whether a
+        # claim's jobs may wait for a slot.
+        self._ahead = ahead
         self.claims = 0
         self.pending: asyncio.Future[bool] | None = None
 
@@ -159,6 +244,8 @@ class Producer:
             if want <= 0:
                 continue
             reservation = self._slots.reserve(want, self._gate)
+            if self._ahead is not None:
+                reservation.ahead = self._ahead.beyond_free()
             if self._gate is not None:
                 try:
                     # Holding the slot, never the other way round: jobs claimed ahead hold
@@ -170,6 +257,8 @@ class Producer:
                 reservation.permit = True
             # Clear before claiming: a notification that lands during the claim re-arms it.
             self._wake.clear()
+            loop = asyncio.get_running_loop()
+            began = loop.time()
             try:
                 # Shielded: a claim commits in the database before its rows reach us, so
                 # cancelling it half-way (at shutdown) would strand the claimed jobs. The
@@ -178,6 +267,8 @@ class Producer:
                 pending.add_done_callback(reservation.settle)
                 full = await asyncio.shield(pending)
                 failures = 0
+                if self._ahead is not None:
+                    self._ahead.claimed(loop.time() - began)
             except psycopg.OperationalError as exc:
                 failures += 1
                 delay = RECONNECT.delay(failures, rng)

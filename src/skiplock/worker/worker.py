@@ -58,7 +58,7 @@ from skiplock.worker.limits import REFRESH_SECONDS as LIMITS_REFRESH_SECONDS
 from skiplock.worker.limits import QueueLimits
 from skiplock.worker.listener import Listener
 from skiplock.worker.liveness import LivenessLock, session_kwargs
-from skiplock.worker.producer import Producer, Slots
+from skiplock.worker.producer import ClaimAhead, Producer, Slots
 from skiplock.worker.sessions import TransactionalSessions
 from skiplock.worker.starts import StartRecorder
 from skiplock.worker.stats import WorkerStats
@@ -99,7 +99,7 @@ class Worker:
         history_interval: float = 60.0,
         completer_interval: float = 0.002,
         admit_interval: float = 5.0,
-        prefetch: int = 0,
+        prefetch: int | None = None,
         liveness_lock: bool = True,
         metrics: NullMetrics | None = None,
     ) -> None:
@@ -107,8 +107,13 @@ class Worker:
             raise ConfigurationError("a worker needs at least one queue")
         for queue in queues:
             check_name("queue", queue, MAX_QUEUE_NAME)
-        if not isinstance(prefetch, int) or prefetch < 0:
-            raise ConfigurationError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+        if prefetch is not None and (
+            not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0
+        ):
+            raise ConfigurationError(
+                f"prefetch must be None (sized from job durations) or an integer >= 0, "
+                f"got {prefetch!r}"
+            )
         if concurrency < 1:
             raise ConfigurationError(f"concurrency must be >= 1, got {concurrency}")
         if lease_seconds <= 0 or poll_interval <= 0:
@@ -131,7 +136,8 @@ class Worker:
         self.admit_interval = admit_interval
         self.liveness_lock = liveness_lock
         # Jobs claimed beyond free capacity, waiting here (leased and heartbeated) for a
-        # slot: their start then costs no claim round trip. Off unless asked for.
+        # slot: their start then costs no claim round trip. None sizes it from how long
+        # jobs and claims take (decision 018); a number pins it; 0 turns it off.
         self.prefetch = prefetch
         self.id: UUID = uuid4()
         self._rng = random.Random()
@@ -148,6 +154,7 @@ class Worker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._jobs: LeasedJobs | None = None
         self._transactional: TransactionalSessions | None = None
+        self._slots: Slots | None = None
         self._abandon = asyncio.Event()
         # This worker's queues that have a concurrency or rate limit, and their wake-ups.
         self._wake: dict[str, asyncio.Event] = {}
@@ -223,10 +230,15 @@ class Worker:
         await pool.open()
         await maintenance_pool.open()
         threads = ThreadPoolExecutor(self.concurrency, thread_name_prefix="skiplock-job")
-        slots = Slots(self.concurrency + self.prefetch)
-        # With prefetch, run permits: jobs claimed ahead wait here for one, and a
+        slots = self._slots = Slots(self.concurrency)
+        ahead = (
+            None
+            if self.prefetch == 0
+            else ClaimAhead(slots, self.concurrency, most=self.batch_max, fixed=self.prefetch)
+        )
+        # When claiming ahead, run permits: jobs claimed ahead wait here for one, and a
         # transactional session takes one before it starts.
-        gate = asyncio.Semaphore(self.concurrency) if self.prefetch else None
+        gate = asyncio.Semaphore(self.concurrency) if ahead is not None else None
         wake = self._wake = {queue: asyncio.Event() for queue in self.queues}
         limits = self._limits = QueueLimits(pool, schema, self.queues, wake)
         self._transactional = TransactionalSessions(
@@ -263,6 +275,7 @@ class Worker:
             lease_seconds=self.lease_seconds,
             gate=gate,
             rng=self._rng,
+            ahead=ahead,
         )
         admission = self._admission = Admission(
             maintenance_pool,
@@ -320,7 +333,7 @@ class Worker:
             on_lost=jobs.lost,
             on_connect=liveness,
         )
-        if self.prefetch:
+        if ahead is not None:
             jobs.starts = StartRecorder(pool, schema, self.id, jobs.held)
         # Started once the liveness lock is held: until then a rescuer would take this
         # worker for dead, drop its registration and hand its jobs on, and an elected
@@ -447,6 +460,7 @@ class Worker:
                     batch_max=self.batch_max,
                     poll_interval=self.poll_interval,
                     backpressure=self._backpressure,
+                    ahead=jobs.ahead,
                 )
             )
             if tx_async[queue]:
@@ -540,8 +554,9 @@ class Worker:
         listener = self._listener
         if self.liveness_lock and listener is not None and not listener.connected.is_set():
             await listener.connected.wait()
-        completer = self.completer
-        while completer is not None and completer.backlog > 4 * self.concurrency:
+        completer, slots = self.completer, self._slots
+        capacity = self.concurrency if slots is None else slots.total
+        while completer is not None and completer.backlog > 4 * capacity:
             await asyncio.sleep(0.001)
 
     def _claimed(self, queue: str, count: int) -> None:

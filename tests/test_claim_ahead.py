@@ -1,0 +1,125 @@
+"""Claim-ahead sized from job durations (decision 018): short jobs are claimed in batches
+larger than the worker's concurrency, which still caps the handlers running at once; long
+jobs are not claimed ahead, so an idle worker next to a busy one gets them.
+
+The sizing rule is pure (``ahead_target``) and tested as such; the rest with real workers
+on a real PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import psycopg
+import pytest
+
+import skiplock
+from conftest import StartWorker, wait_until
+from skiplock.worker.producer import ClaimAhead, Slots, ahead_target
+
+
+def test_nothing_is_claimed_ahead_before_a_job_and_a_claim_were_timed() -> None:
+    assert ahead_target(4, 100, None, 0.001) == 0
+    assert ahead_target(4, 100, 0.001, None) == 0
+
+
+def test_short_jobs_are_claimed_ahead_to_cover_a_claims_round_trip_twice() -> None:
+    # 4 slots finish 4 / 50 us jobs a second; a 1 ms claim needs 80 of them, twice over.
+    assert ahead_target(4, 1000, 50e-6, 0.001) == 160
+    assert ahead_target(4, 100, 50e-6, 0.001) == 100  # capped
+    # One slot, 5 ms jobs, 0.5 ms claims (the lesson's seed): one job ahead.
+    assert ahead_target(1, 100, 0.005, 0.0005) == 1
+
+
+def test_jobs_long_beside_a_claim_are_not_claimed_ahead() -> None:
+    assert ahead_target(1, 100, 0.1, 0.0005) == 0
+    assert ahead_target(10, 100, 1.0, 0.002) == 0
+    assert ahead_target(10, 0, 50e-6, 0.001) == 0  # turned off
+
+
+def test_claim_ahead_resizes_the_slots_and_a_fixed_prefetch_stays_put() -> None:
+    slots = Slots(4)
+    ahead = ClaimAhead(slots, 4, most=100)
+    assert (slots.total, slots.free) == (4, 4)
+    slots.take(3)
+    ahead.job_ended(50e-6)
+    ahead.claimed(0.001)
+    assert ahead.target == 100
+    assert (slots.total, slots.free) == (104, 101)
+    assert not ahead.beyond_free()
+    slots.take(2)
+    assert ahead.beyond_free()  # 5 in flight, 4 may run: a claim now may wait
+    for _ in range(50):
+        ahead.job_ended(1.0)  # the jobs got long
+    ahead.claimed(0.001)
+    assert ahead.target == 0
+    assert (slots.total, slots.free) == (4, -1)  # jobs in flight keep their slots
+
+    fixed = ClaimAhead(Slots(2), 2, most=100, fixed=3)
+    fixed.job_ended(50e-6)
+    fixed.claimed(0.001)
+    assert fixed.target == 3 and fixed.slots.total == 5
+
+
+class Overlap:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.running = 0
+        self.most = 0
+        self.done = 0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self.running -= 1
+            self.done += 1
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_short_jobs_come_in_batches_and_concurrency_still_caps_what_runs(
+    app: skiplock.App, start_worker: StartWorker, concurrency: int
+) -> None:
+    overlap = Overlap()
+
+    @app.task(name="short")
+    async def short(n: int) -> None:
+        with overlap:
+            await asyncio.sleep(0)
+
+    jobs = 2000
+    with psycopg.connect(app.database_url) as conn:
+        app.enqueue_many(conn, [short.job(n=n) for n in range(jobs)])
+    handle = start_worker(app, concurrency=concurrency)  # the default: prefetch sized
+
+    wait_until(lambda: overlap.done == jobs, 60.0, "every job to run")
+    stats = handle.worker.stats
+    assert overlap.most <= concurrency
+    assert stats.largest_claim > 2 * concurrency, stats
+    assert stats.claims < jobs / (2 * concurrency), stats
+
+
+def test_long_jobs_are_not_claimed_ahead_and_an_idle_worker_gets_its_share(
+    app: skiplock.App, start_worker: StartWorker
+) -> None:
+    ran: list[int] = []
+
+    @app.task(name="long")
+    def long(n: int) -> None:
+        ran.append(n)
+        threading.Event().wait(0.3)
+
+    first = start_worker(app, concurrency=1)
+    second = start_worker(app, concurrency=1)
+    with psycopg.connect(app.database_url) as conn:
+        app.enqueue_many(conn, [long.job(n=n) for n in range(6)])
+    wait_until(lambda: len(ran) == 6, 30.0, "every job to run")
+
+    for handle in (first, second):
+        stats = handle.worker.stats
+        assert stats.largest_claim == 1, stats  # one job per free slot, none ahead
+        assert 2 <= stats.claimed <= 4, stats  # each worker ran its share
