@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from skiplock.errors import ConfigurationError, EnqueueError
@@ -239,6 +240,24 @@ def encode_args(task_name: str, args: Mapping[str, Any]) -> str:
     PostgreSQL's jsonb stores 1e+23 as 100000000000000000000000, which reads back as an
     int; such floats are written with a decimal point instead, so they come back as the
     same float."""
+    # The C encoder first (the walk below costs more than the encoding): its ASCII-only
+    # text shows everything the walk would refuse or rewrite. A NUL is written \u0000 and
+    # a surrogate \udXXX; a float with an exponent contains "e+"; a nested object (whose
+    # keys the encoder would quietly turn into strings) opens a second "{"; any other
+    # value that cannot be stored makes the encoder raise. At any such sign, the walk
+    # decides, and so finds and names the argument.
+    if not args:
+        return "{}"
+    try:
+        encoded = _ENCODER.encode(args)
+    except (TypeError, ValueError, RecursionError):
+        return _encode_args_walked(task_name, args)
+    if "\\u0000" in encoded or "\\ud" in encoded or "e+" in encoded or encoded.find("{", 1) > 0:
+        return _encode_args_walked(task_name, args)
+    return _checked_size(task_name, encoded)
+
+
+def _encode_args_walked(task_name: str, args: Mapping[str, Any]) -> str:
     large: list[float] = []
     for key, value in args.items():
         try:
@@ -264,6 +283,10 @@ def encode_args(task_name: str, args: Mapping[str, Any]) -> str:
             except ValueError as exc:
                 raise EnqueueError(f"cannot enqueue {task_name}: argument {key!r}: {exc}") from None
         raise
+    return _checked_size(task_name, encoded)
+
+
+def _checked_size(task_name: str, encoded: str) -> str:
     if len(encoded) > MAX_ARGS_BYTES:
         raise EnqueueError(
             f"cannot enqueue {task_name}: arguments are {len(encoded)} bytes of JSON; "
@@ -487,6 +510,16 @@ class Task(Generic[R]):
         return await self._default_call.enqueue_async(conn, **args)
 
 
+def _job_spec(fixed: JobSpec, **fields: Any) -> JobSpec:
+    """``fixed`` with the job's own ``fields``, made without the frozen dataclass's
+    __init__ (as ``replace`` would run it), which sets each of 13 fields through
+    object.__setattr__: a third of the time to build a job. The fields were checked when
+    ``fixed`` was made and when the arguments were encoded."""
+    spec = JobSpec.__new__(JobSpec)
+    vars(spec).update(vars(fixed), **fields)
+    return spec
+
+
 @dataclass(frozen=True)
 class TaskCall(Generic[R]):
     """A task with per-call options applied."""
@@ -551,13 +584,22 @@ class TaskCall(Generic[R]):
         task = self.task
         task.check_args(args)
         args_json = encode_args(task.name, args)
+        fixed = self._fixed
+        if fixed.unique_key is None and task.options.unique is True:
+            # The task and its arguments (keys sorted) are the key.
+            unique_key = f"{task.name}:{_KEY_ENCODER.encode(args)}"
+            return _job_spec(fixed, args_json=args_json, unique_key=unique_key)
+        return _job_spec(fixed, args_json=args_json)
+
+    @cached_property
+    def _fixed(self) -> JobSpec:
+        """What every job of this call shares (all but its arguments, and its unique key
+        when the arguments make it), decided once for all of the call's jobs."""
+        task = self.task
         unique_key = self.unique_key
-        if unique_key is None and task.options.unique is not False:
-            # True: the task and its arguments (keys sorted) are the key.
-            option = task.options.unique
-            unique_key = (
-                option if isinstance(option, str) else f"{task.name}:{_KEY_ENCODER.encode(args)}"
-            )
+        if unique_key is None and isinstance(task.options.unique, str):
+            unique_key = task.options.unique
+        keyed_by_args = unique_key is None and task.options.unique is True
         key_rate = check_rate(self.rate_limit) if self.rate_limit is not None else None
         key_limit = 1
         if self.concurrency_key:
@@ -566,18 +608,18 @@ class TaskCall(Generic[R]):
             # A rate key alone also runs at most its rate's count at once: admitted jobs
             # that wait for a worker then start together at most that many at a time.
             key_limit = min(key_rate[0], MAX_KEY_LIMIT)
-        if unique_key is None and self.unique_window is not None:
+        if unique_key is None and not keyed_by_args and self.unique_window is not None:
             raise ConfigurationError(
                 f"{task.name}: unique_window needs a unique_key (or a task with unique=...)"
             )
         return JobSpec(
             task=task.name,
-            args_json=args_json,
+            args_json="{}",
             unique_key=unique_key,
             unique_scope=self.unique_scope or task.options.unique_scope,
             unique_window=(
                 None
-                if unique_key is None
+                if unique_key is None and not keyed_by_args
                 else _window_or_none(self.unique_window or task.options.unique_window)
             ),
             queue=self.queue or task.options.queue,
