@@ -240,14 +240,14 @@ def encode_args(task_name: str, args: Mapping[str, Any]) -> str:
     PostgreSQL's jsonb stores 1e+23 as 100000000000000000000000, which reads back as an
     int; such floats are written with a decimal point instead, so they come back as the
     same float."""
-    # The C encoder first (the walk below costs more than the encoding): its ASCII-only
-    # text shows everything the walk would refuse or rewrite. A NUL is written \u0000 and
-    # a surrogate \udXXX; a float with an exponent contains "e+"; a nested object (whose
-    # keys the encoder would quietly turn into strings) opens a second "{"; any other
-    # value that cannot be stored makes the encoder raise. At any such sign, the walk
-    # decides, and so finds and names the argument.
     if not args:
         return "{}"
+    # The C encoder first (the walk of every value costs more than the encoding): its
+    # ASCII-only text shows everything the walk would refuse or rewrite. A NUL is written
+    # \u0000 and a surrogate \udXXX; a float with an exponent contains "e+"; a nested
+    # object (whose keys the encoder would quietly turn into strings) opens a second "{";
+    # any other value that cannot be stored makes the encoder raise. At any such sign,
+    # the walk decides, and so finds and names the argument.
     try:
         encoded = _ENCODER.encode(args)
     except (TypeError, ValueError, RecursionError):
