@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from contextlib import contextmanager, suppress
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -228,6 +229,14 @@ async def run_leased(
             # run_in_executor does not carry context into the thread: hand it over.
             context = contextvars.copy_context()
             loop = asyncio.get_running_loop()
+            timeout = task.options.timeout
+            if timeout is None:
+                # No timeout to count: no word back from the thread when the handler
+                # starts, which would wake the event loop once more per job.
+                result = await loop.run_in_executor(
+                    threads, partial(context.run, task.fn, **job.args)
+                )
+                return Outcome(job.id, job.attempts, result_json=encode_result(result))
             started: asyncio.Future[None] = loop.create_future()
 
             def call() -> Any:
@@ -239,7 +248,7 @@ async def run_leased(
             # thread (one may be held by a handler abandoned after its own timeout).
             await asyncio.shield(started)
             try:
-                result = await asyncio.wait_for(asyncio.shield(future), task.options.timeout)
+                result = await asyncio.wait_for(asyncio.shield(future), timeout)
             except TimeoutError:
                 log.warning(
                     "job %s (%s) timed out; its thread cannot be stopped and is abandoned",
