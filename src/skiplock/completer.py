@@ -311,13 +311,22 @@ class Completer:
 
     async def _write(self, batch: list[Outcome]) -> set[int]:
         written: set[int] = set()
-        async with self._pool.connection() as conn, conn.transaction():
-            await conn.execute(self._durable_sql)
-            for group, params in outcome_writes(batch):
-                cur = await conn.execute(self._sql[group], {**params, "worker_id": self._worker_id})
+        # Pipelined: the transaction's statements go out together and their results come
+        # back together, one round trip for the flush instead of one per statement.
+        async with self._pool.connection() as conn, conn.pipeline():
+            cursors = []
+            async with conn.transaction():
+                await conn.execute(self._durable_sql)
+                for group, params in outcome_writes(batch):
+                    cursors.append(
+                        await conn.execute(
+                            self._sql[group], {**params, "worker_id": self._worker_id}
+                        )
+                    )
+                # One wake-up per flush for anyone awaiting a result (wait_for_result).
+                await conn.execute(self._done_sql, {"channel": self._done_channel})
+            for cur in cursors:
                 written.update(r[0] for r in await cur.fetchall())
-            # One wake-up per flush for anyone awaiting a result (client.wait_for_result).
-            await conn.execute(self._done_sql, {"channel": self._done_channel})
         return written
 
     async def _write_refused(
