@@ -591,12 +591,17 @@ def enqueue_once(url: str, schema: str, jobs: int) -> float:
 
 
 def worker_claim_batch(concurrency: int) -> int:
-    """The most a worker with ``concurrency`` slots claims at once: its free slots, capped
-    by ``Worker``'s batch_max (read from its signature, so the two cannot drift apart)."""
+    """The most a worker with ``concurrency`` slots claims at once: ``Worker``'s batch_max
+    (read from its signature, so the two cannot drift apart), since by default it claims
+    short jobs ahead of its free slots up to that (decision 018); with fewer slots and no
+    claim-ahead (--prefetch 0) it would be its free slots."""
     from skiplock.worker import Worker  # noqa: PLC0415 - the worker processes import it anyway
 
-    batch_max = inspect.signature(Worker).parameters["batch_max"].default
-    return max(1, min(concurrency, int(batch_max)))
+    batch_max = int(inspect.signature(Worker).parameters["batch_max"].default)
+    pairs = list(zip(WORKER_ARGS, WORKER_ARGS[1:], strict=False))
+    if ("--prefetch", "0") in pairs or "--prefetch=0" in WORKER_ARGS:
+        return max(1, min(concurrency, batch_max))
+    return batch_max
 
 
 def _ceiling_process(url: str, schema: str, batch: int, start: Any, result: Any) -> None:
