@@ -8,6 +8,7 @@ itself does not blur them. Every scenario runs in its own schema, dropped afterw
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import multiprocessing
 import os
@@ -598,7 +599,7 @@ def worker_claim_batch(concurrency: int) -> int:
     from skiplock.worker import Worker  # noqa: PLC0415 - the worker processes import it anyway
 
     batch_max = int(inspect.signature(Worker).parameters["batch_max"].default)
-    pairs = list(zip(WORKER_ARGS, WORKER_ARGS[1:], strict=False))
+    pairs = list(itertools.pairwise(WORKER_ARGS))
     if ("--prefetch", "0") in pairs or "--prefetch=0" in WORKER_ARGS:
         return max(1, min(concurrency, batch_max))
     return batch_max
