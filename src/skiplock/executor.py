@@ -106,6 +106,7 @@ def error_record(exc: BaseException, attempt: int, now: datetime) -> dict[str, A
         "attempt": attempt,
         "at": now.isoformat(),
         "type": storable_text(type(exc).__qualname__),
+        "module": storable_text(type(exc).__module__),
         "message": storable_message(exc),
         "traceback": storable_text(tb[-MAX_TRACEBACK_CHARS:]),
     }
