@@ -73,9 +73,11 @@ WITH gone AS (
     RETURNING *
 )
 INSERT INTO {history} (id, queue, task, args, state, priority, attempts, max_attempts, errors,
-                       result, unique_key, ordering_key, created_at, attempted_at, progress)
+                       result, unique_key, ordering_key, created_at, attempted_at, progress,
+                       started_at, worker_ids)
 SELECT id, queue, task, args, 'cancelled', priority, attempts, max_attempts, errors,
-       NULL, unique_key, ordering_key, created_at, attempted_at, progress
+       NULL, unique_key, ordering_key, created_at, attempted_at, progress, started_at,
+       worker_ids
 FROM gone
 RETURNING id
 """

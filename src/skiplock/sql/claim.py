@@ -48,6 +48,9 @@ SET state = 'running',
     claimed_ahead = false,
     worker_id = %(worker_id)s,
     attempted_at = now(),
+    -- The first start and every claiming worker, kept for reports (0017).
+    started_at = coalesce(j.started_at, now()),
+    worker_ids = j.worker_ids || %(worker_id)s::uuid,
     lease_expires_at = now() + %(lease_seconds)s * interval '1 second'
 WHERE j.id = ANY(ARRAY(SELECT id FROM picked))
 RETURNING j.id, j.queue, j.task, j.args::text, j.priority,

@@ -23,7 +23,8 @@ from skiplock.sql.maintenance import NOTIFY_MOVED
 # by id: a binary search per row (decision 013).
 
 _HISTORY_COLUMNS = """id, queue, task, args, state, priority, attempts, max_attempts, errors,
-                    result, unique_key, ordering_key, created_at, attempted_at, progress"""
+                    result, unique_key, ordering_key, created_at, attempted_at, progress,
+                    started_at, worker_ids"""
 
 JOB_COMPLETE_MANY_IF_LEASED = (
     """
@@ -40,7 +41,7 @@ INSERT INTO {history} ("""
     + """)
 SELECT id, queue, task, args, 'completed', priority, attempts, max_attempts, errors,
        result::jsonb, unique_key, ordering_key, created_at, attempted_at,
-       coalesce(last_progress::jsonb, progress)
+       coalesce(last_progress::jsonb, progress), started_at, worker_ids
 FROM done
 RETURNING id
 """
@@ -85,7 +86,7 @@ SELECT id, queue, task, args, 'cancelled', priority, attempts, max_attempts,
            'attempt', attempts, 'at', now(), 'type', 'Cancelled',
            'message', 'cancelled while running', 'traceback', NULL)),
        NULL, unique_key, ordering_key, created_at, attempted_at,
-       coalesce(last_progress::jsonb, progress)
+       coalesce(last_progress::jsonb, progress), started_at, worker_ids
 FROM done
 RETURNING id
 """
@@ -155,7 +156,8 @@ WITH cancelled AS (
                'attempt', attempts, 'at', now(), 'type', 'Cancelled',
                'message', 'cancelled; its worker stopped before the job finished',
                'traceback', NULL)),
-           NULL, unique_key, ordering_key, created_at, attempted_at, progress
+           NULL, unique_key, ordering_key, created_at, attempted_at, progress, started_at,
+           worker_ids
     FROM cancelled
     RETURNING id
 ), moved AS (
@@ -266,7 +268,8 @@ INSERT INTO {history} ("""
     + _HISTORY_COLUMNS
     + """)
 SELECT id, queue, task, args, 'completed', priority, attempts + 1, max_attempts, errors,
-       %(result)s::jsonb, unique_key, ordering_key, created_at, now(), progress
+       %(result)s::jsonb, unique_key, ordering_key, created_at, now(), progress,
+       started_at, worker_ids
 FROM done
 RETURNING id
 """

@@ -114,12 +114,14 @@ WITH done AS (
     RETURNING *
 )
 INSERT INTO {history} (id, queue, task, args, state, priority, attempts, max_attempts, errors,
-                       result, unique_key, ordering_key, created_at, attempted_at, progress)
+                       result, unique_key, ordering_key, created_at, attempted_at, progress,
+                       started_at, worker_ids)
 SELECT id, queue, task, args, 'cancelled', priority, attempts, max_attempts,
        errors || jsonb_build_array(jsonb_build_object(
            'attempt', attempts, 'at', now(), 'type', 'Cancelled',
            'message', 'cancelled; its worker was gone', 'traceback', NULL)),
-       NULL, unique_key, ordering_key, created_at, attempted_at, progress
+       NULL, unique_key, ordering_key, created_at, attempted_at, progress, started_at,
+       worker_ids
 FROM done
 RETURNING queue, 1
 """
