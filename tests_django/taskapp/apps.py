@@ -1,0 +1,5 @@
+from django.apps import AppConfig
+
+
+class TaskappConfig(AppConfig):
+    name = "tests_django.taskapp"
