@@ -139,6 +139,16 @@ def django_time(value: datetime | None) -> datetime | None:
     return value
 
 
+def _schema_migration_applied(connection: Any) -> bool:
+    """Whether this app's Django migration (which installs skiplock's schema) is recorded
+    as applied in the database of ``connection``."""
+    from django.db.migrations.recorder import MigrationRecorder  # noqa: PLC0415
+
+    return ("skiplock", "0001_skiplock_schema") in MigrationRecorder(
+        connection
+    ).applied_migrations()
+
+
 def _use_tz() -> bool:
     from django.conf import settings  # noqa: PLC0415 - settings are read when used
 
@@ -392,7 +402,9 @@ class SkiplockBackend(BaseTaskBackend):
                     id="skiplock.W002",
                 )
             ]
-        if not pending:
+        if not pending or not _schema_migration_applied(connection):
+            # Before the app's own migration, Django's "unapplied migrations" says it all
+            # (and `migrate` itself would warn about what it is about to do).
             return []
         names = ", ".join(m.label for m in pending)
         return [

@@ -164,11 +164,23 @@ def _run(options: dict[str, Any]) -> None:
         os._exit(0)
 
 
+def _this_program() -> list[str]:
+    """How this process was started: ``python manage.py`` (or django-admin), or ``python -m
+    django``, which must be repeated as -m (run as a script, django/__main__.py would put
+    the django package first on the path)."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    if spec is not None and spec.name:
+        return [sys.executable, "-m", spec.name.removesuffix(".__main__")]
+    return [sys.executable, sys.argv[0]]
+
+
 def _supervise(processes: int) -> None:
     """Run ``processes`` single-process workers (this command line with --processes 1),
     forwarding stop signals and restarting any that dies."""
-    command = [sys.executable, *sys.argv, "--processes", "1"]
-    children = [subprocess.Popen(command) for _ in range(processes)]
+    command = [*_this_program(), *sys.argv[1:], "--processes", "1"]
+    # Each child in a session of its own: a Ctrl-C at the terminal then reaches them once,
+    # forwarded from here (a second SIGINT tells a worker to give up on running jobs).
+    children = [subprocess.Popen(command, start_new_session=True) for _ in range(processes)]
     stopping = False
 
     def forward(signum: int, _frame: object) -> None:
@@ -186,7 +198,7 @@ def _supervise(processes: int) -> None:
             if code is not None and not stopping:
                 log.warning("worker process %s exited with %s; restarting it", child.pid, code)
                 time.sleep(1)
-                children[i] = subprocess.Popen(command)
+                children[i] = subprocess.Popen(command, start_new_session=True)
         if stopping and all(c.poll() is not None for c in children):
             return
         time.sleep(0.2)
