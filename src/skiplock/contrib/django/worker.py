@@ -43,7 +43,7 @@ from skiplock.contrib.django.compat import (
     task_started,
 )
 from skiplock.contrib.django.mapping import to_django_priority
-from skiplock.errors import UnknownTaskError
+from skiplock.errors import ConfigurationError, UnknownTaskError
 from skiplock.tasks import MAX_QUEUE_NAME, TaskOptions, check_name
 from skiplock.tasks import Task as SkiplockTask
 from skiplock.types import ClaimedJob
@@ -100,8 +100,8 @@ class DjangoTasksApp(App):
             queue = django_task.queue_name
             try:
                 check_name("queue", queue, MAX_QUEUE_NAME)
-            except Exception:
-                queue = "default"
+            except ConfigurationError:
+                queue = "default"  # only for show: the job's own queue is what counts
             options = TaskOptions(
                 queue=queue, max_attempts=self.backend.max_attempts, retry=self.backend.retry
             )
@@ -116,7 +116,7 @@ class DjangoTasksApp(App):
         """The TaskResult of the attempt now starting. A first attempt on a worker whose
         id is known is built from the claimed job; a later one is read (its earlier
         attempts' errors and workers are in the row)."""
-        if job.attempts > 1 or self.worker_id is None:
+        if self.needs_read(job):
             return self.backend.get_result(str(job.id))
         now = timezone.now()
         # Unless the job's queue is not among the task's backend's QUEUES.
@@ -138,6 +138,7 @@ class DjangoTasksApp(App):
         )
 
     def needs_read(self, job: ClaimedJob) -> bool:
+        """Whether ``live_result`` queries (an async runner then calls it in a thread)."""
         return job.attempts > 1 or self.worker_id is None
 
 
