@@ -289,8 +289,7 @@ def judge(db: ChaosDatabase, ids: list[int]) -> Verdict:
             continue
         verdict.errors[job_id] = errors
         for execution in superseded:
-            reasons = frozenset(e["type"] for e in errors if e["attempt"] == execution.attempt)
-            verdict.superseded.append((execution, reasons))
+            verdict.superseded.append((execution, rerun_reasons(execution, runs, errors)))
         ran = {e.attempt for e in runs}
         for error in errors:
             if error["type"] != DESIGNED_FAILURE and error["attempt"] not in ran:
@@ -298,6 +297,44 @@ def judge(db: ChaosDatabase, ids: list[int]) -> Verdict:
     if verdict.last_finish is None and verdict.first_start is not None:
         verdict.last_finish = verdict.first_start
     return verdict
+
+
+def rerun_reasons(
+    execution: Execution, runs: list[Execution], errors: list[dict[str, Any]]
+) -> frozenset[str]:
+    """The recorded reasons an execution was run again. A job claimed ahead whose worker
+    died before (or just as) it started gets its attempt back (decision 015): that record
+    says 'counted': false and carries the number the next run uses too. So of two runs
+    with one attempt number, the earlier was given back (the uncounted records) and the
+    later is charged with the counted ones."""
+    same = [run for run in runs if run.attempt == execution.attempt]
+    at = [e for e in errors if e["attempt"] == execution.attempt]
+    uncounted = frozenset(e["type"] for e in at if e.get("counted") is False)
+    counted = frozenset(e["type"] for e in at if e.get("counted") is not False)
+    if uncounted and execution is not same[-1]:
+        return uncounted
+    return counted or uncounted
+
+
+def test_a_run_given_back_and_its_rerun_are_judged_by_their_own_records() -> None:
+    """The judge's own logic, on the records a claimed-ahead job leaves when its worker
+    is SIGKILLed just as it starts: attempt 2 given back (uncounted WorkerLost), run
+    again as attempt 2 by another worker, which fails by design. (Charging the rerun
+    with WorkerLost too made the sigkill scenario fail now and then.)"""
+    at = datetime(2026, 12, 1)
+    killed = Execution(1, 2, 101, DOOMED_TASK, at, None)
+    rerun = Execution(1, 2, 202, DOOMED_TASK, at.replace(second=1), at.replace(second=2))
+    runs = [killed, rerun]
+    errors = [
+        {"attempt": 1, "type": DESIGNED_FAILURE},
+        {"attempt": 2, "type": "WorkerLost", "counted": False},
+        {"attempt": 2, "type": DESIGNED_FAILURE},
+    ]
+    assert rerun_reasons(killed, runs, errors) == {"WorkerLost"}
+    assert rerun_reasons(rerun, runs, errors) == {DESIGNED_FAILURE}
+    # An ordinary counted rescue still explains the run it interrupted.
+    only = Execution(2, 1, 101, "chaos.short", at, None)
+    assert rerun_reasons(only, [only], [{"attempt": 1, "type": "WorkerLost"}]) == {"WorkerLost"}
 
 
 def recovery_seconds(verdict: Verdict, kills: list[Event]) -> list[float]:
