@@ -70,6 +70,8 @@ MAX_RUNS = 1000
 LEASE_SECONDS = 3600
 # The transaction's own now(): the time jobs enqueued in it were given.
 SERVER_NOW = "SELECT now()"
+# ... and the clock's, which goes on while the transaction lasts.
+SERVER_CLOCKS = "SELECT now(), clock_timestamp()"
 
 # The worker's statements for each group of lease-mode outcomes (as the completer's).
 _OUTCOME_STATEMENTS = {
@@ -530,6 +532,22 @@ class _Drain:
                 f"task, whose handler takes the connection: run its jobs with {wanted}"
             )
 
+    def check_too_new(
+        self, ready: Sequence[Job], queues: Sequence[str], now: datetime, clock: datetime
+    ) -> None:
+        """Ready jobs left because they were committed after the connection's transaction
+        began: in it, now() is its start, so the worker's claim finds them not yet due.
+        Said plainly, instead of returning as if there were nothing to run."""
+        late = [job for job in ready if job.queue in queues and now < job.run_at <= clock]
+        if late:
+            raise AssertionError(
+                f"drain left {len(late)} ready job(s) committed after this connection's "
+                "transaction began: inside it, now() is the transaction's start, and these "
+                "are not due yet. Drain them on a connection whose transaction starts later, "
+                "e.g. psycopg.connect(url, autocommit=True) (their outcomes then commit).\n"
+                + _listing(late, now, "Left")
+            )
+
     def transactional_outcome(
         self, job: ClaimedJob, kind: str, error: dict[str, Any] | None, row: Job, now: datetime
     ) -> JobOutcome:
@@ -592,6 +610,9 @@ def drain(
             while _drain_leased_one(conn, state, queue) or _drain_locked_one(conn, state, queue):
                 pass
         if len(state.outcomes) == ran:
+            row = conn.execute(SERVER_CLOCKS).fetchone()
+            assert row is not None
+            state.check_too_new(ready, queues_now, *row)
             return state.outcomes
 
 
@@ -652,6 +673,10 @@ async def drain_async(
             ):
                 pass
         if len(state.outcomes) == ran:
+            cur = await conn.execute(SERVER_CLOCKS)
+            row = await cur.fetchone()
+            assert row is not None
+            state.check_too_new(ready, queues_now, *row)
             return state.outcomes
 
 

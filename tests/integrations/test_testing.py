@@ -309,3 +309,21 @@ def test_drain_async_runs_async_transactional_jobs(skiplock_app: skiplock.App) -
         [("shop.notify_warehouse", "completed"), ("shop.mark_shipped", "completed")],
         [["1:a"], True],
     )
+
+
+def test_drain_says_why_it_left_jobs_committed_after_its_transaction_began(
+    skiplock_conn: Conn, skiplock_app: skiplock.App
+) -> None:
+    refute_enqueued(skiplock_conn, shop.send_receipt)  # the test's transaction has begun
+    with psycopg.connect(skiplock_app.database_url, autocommit=True) as other:
+        ref = shop.send_receipt.enqueue(other, order_id=5)  # as code under test would
+
+        with pytest.raises(AssertionError) as failed:
+            drain(skiplock_conn, skiplock_app)
+        outcomes = drain(other, skiplock_app)  # its outcome commits
+
+    assert str(failed.value).startswith(
+        "drain left 1 ready job(s) committed after this connection's transaction began"
+    )
+    assert f"#{ref} shop.send_receipt(order_id=5) queue='emails' available" in str(failed.value)
+    assert [(o.job_id, o.kind) for o in outcomes] == [(ref, "completed")]

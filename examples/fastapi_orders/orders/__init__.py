@@ -1,0 +1,1 @@
+"""An order service: the API places orders, a skiplock worker fulfils them."""

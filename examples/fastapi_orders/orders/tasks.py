@@ -1,0 +1,16 @@
+"""The job: fulfil a placed order. A worker runs it: ``skiplock worker orders.tasks:app``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import skiplock
+
+app = skiplock.App()  # the database is SKIPLOCK_DATABASE_URL
+
+
+@app.task(queue="orders", max_attempts=5)
+async def fulfil_order(order_id: int, item: str, quantity: int) -> dict[str, str | int]:
+    """Ask the warehouse to ship the order; the receipt is the job's result."""
+    await asyncio.sleep(0.1)  # stands for the warehouse's API
+    return {"order_id": order_id, "receipt": f"R-{order_id:06d}", "shipped": f"{quantity} x {item}"}
