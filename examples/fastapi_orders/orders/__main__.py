@@ -17,9 +17,10 @@ def main() -> None:
     url = app.database_url  # SKIPLOCK_DATABASE_URL; "embedded" starts a local server
     app.migrate()
     port = int(os.environ.get("PORT", "8000"))
+    order = '{"item": "book", "quantity": 2}'
     print(
-        f"orders: try  curl -X POST localhost:{port}/orders -H 'content-type: "
-        'application/json\' -d \'{"item": "book", "quantity": 2}\'',
+        f"orders: try  curl -X POST localhost:{port}/orders -H 'content-type: application/json'"
+        f" -d '{order}'  and then  curl localhost:{port}/orders/1",
         flush=True,
     )
     # The worker gets the URL in its environment, never on its command line.
