@@ -45,8 +45,16 @@ def skiplock_database_url() -> str:
     """The database the skiplock fixtures use: SKIPLOCK_TEST_DATABASE_URL, else
     SKIPLOCK_DATABASE_URL. Override this fixture to choose it another way."""
     from skiplock.config import resolve_database_url  # noqa: PLC0415 - only when used
+    from skiplock.errors import ConfigurationError  # noqa: PLC0415
 
-    return resolve_database_url(os.environ.get(TEST_DATABASE_URL_ENV) or None)
+    try:
+        return resolve_database_url(os.environ.get(TEST_DATABASE_URL_ENV) or None)
+    except ConfigurationError as missing:
+        raise ConfigurationError(
+            f"the skiplock fixtures need a database: set {TEST_DATABASE_URL_ENV} (or "
+            "SKIPLOCK_DATABASE_URL) to a postgresql:// URL, or to 'embedded' for a throwaway "
+            f"local server. ({missing})"
+        ) from None
 
 
 @pytest.fixture(scope="session")

@@ -385,9 +385,9 @@ def perform_job(
     its handler runs in a savepoint of ``conn``'s transaction, rolled back if it fails
     (its writes stay otherwise, for the test to read and roll back)."""
     plain = _task_of(task)
-    _check_connection(plain, conn, psycopg.Connection)
     if plain.is_async and plain.options.transactional:
         raise TypeError(f"{plain.name} is an async transactional task: use perform_job_async")
+    _check_connection(plain, conn, psycopg.Connection)
     spec = task.job(**args)
     if conn is None:
         job = _performed_job(spec, attempts=1)
@@ -412,9 +412,9 @@ async def perform_job_async(
 ) -> JobOutcome:
     """Async twin of ``perform_job``; a transactional task takes a psycopg.AsyncConnection."""
     plain = _task_of(task)
-    _check_connection(plain, conn, psycopg.AsyncConnection)
     if not plain.is_async and plain.options.transactional:
         raise TypeError(f"{plain.name} is a sync transactional task: use perform_job")
+    _check_connection(plain, conn, psycopg.AsyncConnection)
     spec = task.job(**args)
     if conn is None:
         job = _performed_job(spec, attempts=1)

@@ -54,12 +54,17 @@ def test_a_suite_that_does_not_use_it_is_left_alone(tmp_path: Path) -> None:
                 def test_the_plugin_is_loaded_and_idle(pytestconfig):
                     assert pytestconfig.pluginmanager.has_plugin("skiplock")
                     assert "skiplock.testing" not in sys.modules  # imported on first use
+
+
+                def test_its_fixture_says_what_to_set(request):
+                    with pytest.raises(Exception, match="set SKIPLOCK_TEST_DATABASE_URL"):
+                        request.getfixturevalue("skiplock_database_url")
             """
         },
     )  # and no database is configured: nothing may try to connect
 
     assert ran.returncode == 0, ran.stdout + ran.stderr
-    assert "2 passed" in ran.stdout
+    assert "3 passed" in ran.stdout
 
 
 def test_fixtures_without_an_app_say_what_to_set(tmp_path: Path, database_url: str) -> None:

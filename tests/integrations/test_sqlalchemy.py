@@ -177,6 +177,8 @@ def test_bad_arguments_send_nothing(engine: Engine, app: skiplock.App) -> None:
         session.add(Order(id=2, item="lamp"))
         with pytest.raises(skiplock.EnqueueError, match="order_id"):
             enqueue(session, receipt(app), order=1)
+        with pytest.raises(skiplock.EnqueueError, match="argument 'order_id' is nan"):
+            enqueue(session, receipt(app), order_id=float("nan"))
         session.commit()  # the transaction is still good
 
     assert committed(app) == []

@@ -205,7 +205,15 @@ def test_perform_job_says_when_a_connection_is_wanted_or_not(orders: Conn) -> No
     with pytest.raises(TypeError, match=r"shop\.send_receipt is not transactional"):
         perform_job(shop.send_receipt, orders, order_id=1)
     with pytest.raises(TypeError, match="use perform_job_async"):
-        perform_job(shop.mark_shipped, orders, order_id=1)
+        perform_job(shop.mark_shipped, order_id=1)
+
+    async def the_other_way() -> None:
+        with pytest.raises(TypeError, match=r"use perform_job$"):
+            await perform_job_async(shop.mark_paid, order_id=1)
+        with pytest.raises(TypeError, match=r"shop\.mark_shipped is transactional: pass the "):
+            await perform_job_async(shop.mark_shipped, order_id=1)
+
+    asyncio.run(the_other_way())
 
 
 def test_perform_job_async_and_sync_helpers_inside_an_event_loop(
