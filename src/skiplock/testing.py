@@ -26,7 +26,13 @@ from psycopg.types.json import Jsonb
 
 from skiplock import client
 from skiplock.app import App
-from skiplock.completer import Outcome, outcome_writes, refused_error, storable_outcome
+from skiplock.completer import (
+    REFUSED_BACKOFF,
+    Outcome,
+    outcome_writes,
+    refused_error,
+    storable_outcome,
+)
 from skiplock.context import set_current_job
 from skiplock.executor import (
     claimed_from_row,
@@ -496,7 +502,7 @@ class _Drain:
                 "id": job.id,
                 "attempt": outcome.attempt,
                 "worker_id": self.worker_id,
-                "delay": 0.0,
+                "delay": REFUSED_BACKOFF.delay(outcome.attempt, random.Random()),
                 "error": Jsonb(error),
             },
         )
@@ -525,7 +531,7 @@ class _Drain:
             wanted = (
                 "drain (a psycopg.Connection)"
                 if self.is_async
-                else ("drain_async (a psycopg.AsyncConnection)")
+                else "drain_async (a psycopg.AsyncConnection)"
             )
             raise TypeError(
                 f"{stuck[0].task} is {'a sync' if self.is_async else 'an async'} transactional "
