@@ -516,21 +516,24 @@ DOWNTIME = 2.0
 LOST_CLAIM = "ClaimLostInCrash"
 
 
-def explain_lost_claims(verdict: Verdict, restarted_at: datetime) -> int:
+def explain_lost_claims(verdict: Verdict, crashed_at: datetime) -> int:
     """Workers commit claims with synchronous_commit off (decision 009): a crash may undo
     the last of them, and those jobs run again under the same attempt with nothing
     recorded on the job. Name that reason where it is the only one that fits: an attempt
-    started while the old server was up (so claimed before the crash; handlers go on
-    starting until the crash has taken effect) and started again after the restart.
-    Return how many."""
+    run again, under the same number, by a run that started after the crash. The first
+    run may itself have started after the crash: handlers go on starting until the crash
+    has taken effect, and a job claimed ahead (decision 018) waits in its worker for a
+    slot across the outage and starts once one frees. Return how many."""
     count = 0
     for index, (execution, reasons) in enumerate(verdict.superseded):
-        if reasons or execution.started >= restarted_at:
+        if reasons:
             continue
         again = [
             e
             for e in verdict.executions[execution.job_id]
-            if e.attempt == execution.attempt and e.started >= restarted_at
+            if e.attempt == execution.attempt
+            and e.started >= crashed_at
+            and e.started > execution.started
         ]
         if again:
             verdict.superseded[index] = (execution, frozenset({LOST_CLAIM}))
@@ -574,7 +577,7 @@ def test_a_server_restart_mid_drain_is_ridden_out(
     drain(db, fleet)
 
     verdict = judge(db, ids)
-    lost_claims = explain_lost_claims(verdict, restarted_at)
+    lost_claims = explain_lost_claims(verdict, crashed_at)
     pids = {w.pid for w in fleet.workers}
     verdict.assert_sound(
         allowed={"WorkerLost", "LeaseExpired", LOST_CLAIM}, culprits={"WorkerLost": pids}
