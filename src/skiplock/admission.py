@@ -1,14 +1,15 @@
 """One admission pass over keyed jobs, in which one bad key or row stays one bad key or row.
 
-Admission (decision 011, sql/keys.py) is one set-based statement for every key asked
-about, so a single value the database refuses (a row a constraint added later rejects, a
-unique index hand-written rows already fill) used to fail the statement for every key,
-on every pass, forever. Here the set-based statement is tried first, as before; when it
-raises a data or integrity error, the keys are bisected, each half in a transaction of
-its own, down to the keys that fail alone. A key that fails alone is tried job by job
-from the head of its line (ADMIT_HEADS), and a head that cannot be admitted even alone
-is the row at fault: it ends dead with the database's reason among its errors, which
-frees its line (and `skiplock jobs retry` brings it back once the cause is fixed).
+Admission (decisions 011 and 017, sql/keys.py) is one set-based statement for the keys
+asked about (ADMIT_KEYS_CHUNK at a time), so a single value the database refuses (a row
+a constraint added later rejects, a unique index hand-written rows already fill) used to
+fail the statement for every key, on every pass, forever. Here the set-based statement
+is tried first, as before; when it raises a data or integrity error, the keys are
+bisected, each half in a transaction of its own, down to the keys that fail alone. A key
+that fails alone is tried job by job from the head of its line (ADMIT_HEADS), and a head
+that cannot be admitted even alone is the row at fault: it ends dead with the database's
+reason among its errors, which frees its line (and `skiplock jobs retry` brings it back
+once the cause is fixed).
 
 When every key tried fails alone, the fault is not in a row (a bug, a constraint on
 every row): then nothing is made dead, the keys are reported, and the next pass tries
@@ -52,6 +53,9 @@ RATE_DUE_MAX = 3600.0
 RATE_DUE_MIN = 0.001
 # The failure log's entry for a pass in which every key failed (no key is empty: 0008).
 EVERY_KEY = ""
+# Keys admitted per transaction: it holds one lock per key until it commits, from
+# PostgreSQL's shared lock table (max_locks_per_transaction per connection, on average).
+ADMIT_KEYS_CHUNK = 256
 # Reasons recorded among a job's errors are cut to this many characters.
 REASON_MAX = 1000
 
@@ -121,67 +125,63 @@ async def admit_pass(
     conn: psycopg.AsyncConnection[Any],
     schema: str,
     asked: Sequence[str] | None,
-    channel: str,
     *,
     failure_log: FailureLog | None = None,
 ) -> AdmissionReport:
-    """Admit the keys ``asked`` (None: every key with waiting jobs), notifying ``channel``
-    of the queues that received jobs, and read when rate-limited keys have room again.
+    """Admit the keys ``asked`` (None: every key with waiting jobs), ADMIT_KEYS_CHUNK keys
+    per transaction, and read when rate-limited keys have room again. Admission notifies
+    the queues that received jobs (keys_admit, migration 0016).
 
     ``conn`` must be in autocommit mode: every attempt is a transaction of its own, under
-    the admission lock. Errors other than ROW_ERRORS are raised to the caller."""
+    the keys' locks. Errors other than ROW_ERRORS are raised to the caller."""
     failures = _failure_log if failure_log is None else failure_log
     report = AdmissionReport()
     if asked is None:
-        cur = await conn.execute(render(keys.ANY_WAITING, schema))
-        row = await cur.fetchone()
-        if row is None or not row[0]:
-            return report
-    try:
-        report.admitted = await _admit(conn, schema, channel, asked)
-    except ROW_ERRORS as exc:
-        await _isolate(conn, schema, channel, asked, reason_of(exc), report, failures)
-    report.rate_due = await _rate_due(conn, schema)
+        cur = await conn.execute(render(keys.KEYS_WAITING, schema))
+        wanted = [str(row[0]) for row in await cur.fetchall()]
+    else:
+        wanted = sorted(set(asked))
+    failing: list[str] = []
+    reason = ""
+    for start in range(0, len(wanted), ADMIT_KEYS_CHUNK):
+        chunk = wanted[start : start + ADMIT_KEYS_CHUNK]
+        try:
+            report.admitted += await _admit(conn, schema, chunk)
+        except ROW_ERRORS as exc:
+            failing.extend(chunk)
+            reason = reason or reason_of(exc)
+    if failing:
+        await _isolate(conn, schema, failing, len(wanted), reason, report, failures)
+    if wanted or asked is not None:  # (a full pass that found nothing waiting: none due)
+        report.rate_due = await _rate_due(conn, schema)
     return report
 
 
 async def _admit(
     conn: psycopg.AsyncConnection[Any],
     schema: str,
-    channel: str,
-    asked: Sequence[str] | None,
+    asked: Sequence[str],
     *,
     heads: bool = False,
 ) -> int:
-    """One admission statement in its own transaction, after the lock (decision 011)."""
-    params: dict[str, Any] = {"lock": f"{schema}.admit", "channel": channel}
-    if asked is None:
-        statement = keys.ADMIT_ALL
-    else:
-        statement = keys.ADMIT_HEADS if heads else keys.ADMIT
-        params["keys"] = list(asked)
-    async with conn.transaction():
-        await conn.execute(render(keys.ADMIT_LOCK, schema), params)
-        cur = await conn.execute(render(statement, schema), params)
-        return sum(int(row[1]) for row in await cur.fetchall())
+    """One admission of at most ADMIT_KEYS_CHUNK keys: one statement, one transaction."""
+    statement = keys.ADMIT_HEADS if heads else keys.ADMIT
+    cur = await conn.execute(render(statement, schema), {"keys": list(asked)})
+    return sum(int(row[1]) for row in await cur.fetchall())
 
 
 async def _isolate(
     conn: psycopg.AsyncConnection[Any],
     schema: str,
-    channel: str,
-    asked: Sequence[str] | None,
+    failing: list[str],
+    tried: int,
     reason: str,
     report: AdmissionReport,
     failures: FailureLog,
 ) -> None:
-    """The set-based statement failed (with ``reason``): admit what can be admitted, half
-    by half of the keys, and find the keys (then the rows) that cannot."""
-    if asked is None:
-        cur = await conn.execute(render(keys.KEYS_WAITING, schema))
-        tried = [str(row[0]) for row in await cur.fetchall()]
-    else:
-        tried = sorted(set(asked))
+    """The set-based statement failed for the keys ``failing`` (with ``reason``), out of
+    ``tried`` keys asked about: admit what can be admitted, half by half, and find the
+    keys (then the rows) that cannot."""
     failed: dict[str, str] = {}
 
     async def bisect(group: list[str], why: str) -> None:
@@ -192,14 +192,13 @@ async def _isolate(
         middle = len(group) // 2
         for half in (group[:middle], group[middle:]):
             try:
-                report.admitted += await _admit(conn, schema, channel, half)
+                report.admitted += await _admit(conn, schema, half)
             except ROW_ERRORS as exc:
                 await bisect(half, reason_of(exc))
 
-    if tried:
-        await bisect(tried, reason)
+    await bisect(failing, reason)
     now = time.monotonic()
-    if not rows_at_fault(len(tried), len(failed)):
+    if not rows_at_fault(tried, len(failed)):
         report.failed.update(failed)
         if failed and failures.due(EVERY_KEY, now):
             log.warning(
@@ -211,7 +210,7 @@ async def _isolate(
         return
     report.failed.update(failed)
     for key, why in failed.items():
-        await _admit_heads(conn, schema, channel, key, report)
+        await _admit_heads(conn, schema, key, report)
         if failures.due(key, now):
             log.warning("admitting key %r failed: %s", key, why)
 
@@ -219,7 +218,6 @@ async def _isolate(
 async def _admit_heads(
     conn: psycopg.AsyncConnection[Any],
     schema: str,
-    channel: str,
     key: str,
     report: AdmissionReport,
 ) -> None:
@@ -230,16 +228,13 @@ async def _admit_heads(
         if len(report.dead) >= DEAD_MAX_PER_PASS:
             return
         async with conn.transaction():
-            await conn.execute(render(keys.ADMIT_LOCK, schema), {"lock": f"{schema}.admit"})
+            await conn.execute(render(keys.KEYS_LOCK, schema), {"keys": [key]})
             head = await _head(conn, schema, key)
             if head is None:
                 return
             try:
                 async with conn.transaction():  # a savepoint: the lock stays held
-                    cur = await conn.execute(
-                        render(keys.ADMIT_HEADS, schema), {"keys": [key], "channel": channel}
-                    )
-                    admitted = sum(int(row[1]) for row in await cur.fetchall())
+                    admitted = await _admit(conn, schema, [key], heads=True)
             except ROW_ERRORS as exc:
                 if not await _make_dead(conn, schema, key, head, reason_of(exc)):
                     return

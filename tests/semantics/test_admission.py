@@ -20,7 +20,6 @@ import pytest
 
 from skiplock import admission
 from skiplock.admission import AdmissionReport, FailureLog
-from skiplock.config import notify_channel
 from skiplock.sql import keys, render
 
 from .conftest import Sem, StartWorkers
@@ -37,7 +36,6 @@ def admit_pass(
                 conn,
                 sem.schema,
                 None if asked is None else list(asked),
-                notify_channel(sem.schema),
                 failure_log=failure_log or FailureLog(),
             )
 
@@ -45,11 +43,10 @@ def admit_pass(
 
 
 def set_based_admission(sem: Sem) -> None:
-    """ADMIT_ALL alone, as the leader ran it before the fallback."""
-    params = {"lock": f"{sem.schema}.admit", "channel": notify_channel(sem.schema)}
-    with sem.connect(autocommit=False) as conn:
-        conn.execute(render(keys.ADMIT_LOCK, sem.schema), params)
-        conn.execute(render(keys.ADMIT_ALL, sem.schema), params).fetchall()
+    """ADMIT for every waiting key alone, as the leader ran it before the fallback."""
+    with sem.connect() as conn:
+        waiting = [row[0] for row in conn.execute(render(keys.KEYS_WAITING, sem.schema))]
+        conn.execute(render(keys.ADMIT, sem.schema), {"keys": waiting}).fetchall()
 
 
 def refuse(sem: Sem, name: str, check: str, *, not_valid: bool = False) -> None:

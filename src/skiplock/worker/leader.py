@@ -256,7 +256,6 @@ class Admission:
         self._retry_after = retry_after
         self._on_admitted = on_admitted
         self._schema = schema
-        self._channel = notify_channel(schema)
         self._keys: set[str] = set()
         self._all = True
         self._asked_all = False  # by a notification: coalesced (ASKED_FULL_SECONDS)
@@ -308,9 +307,13 @@ class Admission:
                 or (self._asked_all and now >= last_full + ASKED_FULL_SECONDS)
             ):
                 asked = None
+                if self._asked_all:
+                    # Only passes that served a request delay the next one: a request
+                    # just after the pass on start or the periodic pass (a bulk enqueue
+                    # of many keys as the worker comes up) is served at once.
+                    last_full = now
                 self._all = self._asked_all = False
                 next_full = now + self._every
-                last_full = now
             elif not asked:
                 continue
             try:
@@ -331,7 +334,7 @@ class Admission:
         room. The whole database side of this service: skiplock.admission, where one bad
         key or row fails alone."""
         async with self._pool.connection() as conn:
-            report = await admission.admit_pass(conn, self._schema, asked, self._channel)
+            report = await admission.admit_pass(conn, self._schema, asked)
         return report.admitted, report.rate_due
 
 
