@@ -7,6 +7,7 @@ plan a prepared statement falls back to after a few executions. Everything rolls
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from collections.abc import Iterator
@@ -219,7 +220,6 @@ ROBUST = {
     "release": (complete.JOB_RELEASE_MANY_IF_LEASED, {**fenced(), "channel": "c"}),
     "mark started": (claim.JOB_MARK_STARTED, fenced()),
     "promote": (maintenance.JOB_PROMOTE_DUE, {"limit": 1000, "channel": "c"}),
-    "admit": (keys.ADMIT, {"keys": ["k1", "k2"], "channel": "c"}),
 }
 
 
@@ -246,3 +246,75 @@ def test_no_statement_walks_the_jobs_table_when_the_statistics_say_it_is_tiny(
         )
         if scan["Node Type"] != "Bitmap Heap Scan":
             assert scan.get("Index Cond"), (scan["Node Type"], scan.get("Index Name"))
+
+
+# -- admission, inside keys_admit (migration 0016) -------------------------------------
+
+
+def nested_plans(conn: psycopg.Connection[Any], statement: str, params: Any) -> list[Any]:
+    """The plans of the statements run inside functions that ``statement`` calls, as
+    auto_explain reports them (to this session: client_min_messages)."""
+    messages: list[str] = []
+    conn.add_notice_handler(lambda d: messages.append(d.message_primary or ""))
+    for setting in (
+        "LOAD 'auto_explain'",
+        "SET LOCAL auto_explain.log_min_duration = 0",
+        "SET LOCAL auto_explain.log_nested_statements = on",
+        "SET LOCAL auto_explain.log_format = json",
+        "SET LOCAL client_min_messages = log",
+    ):
+        conn.execute(setting)
+    conn.execute(statement, params).fetchall()
+    conn.execute("SET LOCAL client_min_messages = notice")
+    return [
+        json.loads(m.split("plan:", 1)[1])["Plan"]
+        for m in messages
+        if m.startswith("duration") and "plan:" in m
+    ]
+
+
+@pytest.mark.parametrize("statistics", ["tiny", "true"])
+@pytest.mark.parametrize("session", ["worker", "any"])
+@pytest.mark.parametrize("mode", ["auto", "force_generic_plan"])
+def test_admission_reads_the_jobs_table_by_index_conditions_only(
+    filled: psycopg.Connection[Any], mode: str, session: str, statistics: str
+) -> None:
+    """keys_admit's statement (0016), run by a worker's completion, the leader or any
+    session that deletes a keyed job, finds every row of the jobs table through an index
+    condition or by its address: never a walk of the table, nor a bitmap scan (which,
+    while VACUUM is held back, reads a key's dead versions from the heap on every
+    admission instead of marking them once), whatever the statistics, the plan (custom,
+    or the generic one a session falls back to) and the session's settings."""
+    conn = filled
+    # Keys with admitted jobs of many versions (limit 50), and a few waiting ones each.
+    conn.execute(
+        "INSERT INTO skiplock.jobs (task, state, ordering_key, key_limit) "
+        "SELECT 't', CASE WHEN i <= 150 THEN 'available' ELSE 'blocked' END, "
+        "       'k' || (i % 3), 50 "
+        "FROM generate_series(1, 180) AS i"
+    )
+    if statistics == "tiny":
+        misleading(conn)
+    else:
+        conn.execute("ANALYZE skiplock.jobs")
+    if session == "any":
+        conn.execute("SET LOCAL enable_seqscan = on")
+    conn.execute(sql.SQL("SET LOCAL plan_cache_mode = {}").format(sql.Identifier(mode)))
+    for _ in range(7):  # a cached plan of the session, past the custom ones
+        plans = nested_plans(conn, render(keys.ADMIT, SCHEMA), {"keys": ["k0", "k1", "k9"]})
+    admitting = [
+        plan
+        for plan in plans
+        if any(n.get("Relation Name") == "jobs" for n in nodes(plan))
+        and any(n["Node Type"] == "ModifyTable" for n in nodes(plan))
+    ]
+    assert len(admitting) == 1
+    scans = [
+        n
+        for n in nodes(admitting[0])
+        if n.get("Relation Name") == "jobs" and "Scan" in n["Node Type"]
+    ]
+    assert len(scans) >= 4
+    for scan in scans:
+        assert scan["Node Type"] in ("Index Scan", "Index Only Scan", "Tid Scan"), scan
+        assert scan.get("Index Cond") or scan.get("TID Cond"), scan

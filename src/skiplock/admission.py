@@ -63,13 +63,15 @@ REASON_MAX = 1000
 @dataclass
 class AdmissionReport:
     """What one pass did: jobs admitted; keys that could not be admitted (key -> the
-    database's reason); jobs made dead because they alone could not be admitted; and, for
-    rate-limited keys with jobs waiting, seconds until their window makes room."""
+    database's reason); jobs made dead because they alone could not be admitted; for
+    rate-limited keys with jobs waiting, seconds until their window makes room; and keys
+    left alone because another admitter held them (to be asked about again soon)."""
 
     admitted: int = 0
     failed: dict[str, str] = field(default_factory=dict)
     dead: list[int] = field(default_factory=list)
     rate_due: dict[str, float] = field(default_factory=dict)
+    busy: list[str] = field(default_factory=list)
 
 
 class FailureLog:
@@ -146,7 +148,7 @@ async def admit_pass(
     for start in range(0, len(wanted), ADMIT_KEYS_CHUNK):
         chunk = wanted[start : start + ADMIT_KEYS_CHUNK]
         try:
-            report.admitted += await _admit(conn, schema, chunk)
+            report.admitted += await _admit(conn, schema, chunk, report)
         except ROW_ERRORS as exc:
             failing.extend(chunk)
             reason = reason or reason_of(exc)
@@ -161,13 +163,20 @@ async def _admit(
     conn: psycopg.AsyncConnection[Any],
     schema: str,
     asked: Sequence[str],
+    report: AdmissionReport,
     *,
     heads: bool = False,
 ) -> int:
-    """One admission of at most ADMIT_KEYS_CHUNK keys: one statement, one transaction."""
+    """One admission of at most ADMIT_KEYS_CHUNK keys: one statement, one transaction.
+    Returns the jobs admitted; keys another admitter held go to ``report.busy``."""
     statement = keys.ADMIT_HEADS if heads else keys.ADMIT
     cur = await conn.execute(render(statement, schema), {"keys": list(asked)})
-    return sum(int(row[1]) for row in await cur.fetchall())
+    admitted = 0
+    for _queue, jobs, busy in await cur.fetchall():
+        admitted += int(jobs)
+        if busy is not None:
+            report.busy.append(str(busy))
+    return admitted
 
 
 async def _isolate(
@@ -192,7 +201,7 @@ async def _isolate(
         middle = len(group) // 2
         for half in (group[:middle], group[middle:]):
             try:
-                report.admitted += await _admit(conn, schema, half)
+                report.admitted += await _admit(conn, schema, half, report)
             except ROW_ERRORS as exc:
                 await bisect(half, reason_of(exc))
 
@@ -234,7 +243,7 @@ async def _admit_heads(
                 return
             try:
                 async with conn.transaction():  # a savepoint: the lock stays held
-                    admitted = await _admit(conn, schema, [key], heads=True)
+                    admitted = await _admit(conn, schema, [key], report, heads=True)
             except ROW_ERRORS as exc:
                 if not await _make_dead(conn, schema, key, head, reason_of(exc)):
                     return

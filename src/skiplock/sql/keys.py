@@ -10,24 +10,27 @@ and the leader, a leader and one that has not yet noticed it lost) never admit p
 key's limit between them.
 """
 
-# The keys asked about, each admitted as far as it has room (keys_admit, 0016). One
+# The keys asked about, each admitted as far as it has room (keys_admit, 0016): rows of
+# (queue, jobs admitted), then (NULL, 0, key) for each key another admitter held (a
+# completion admitting it right now): those are left alone, never waited for. One
 # transaction: it holds one lock per key until it commits, so callers pass a bounded
 # number of keys (skiplock.admission.ADMIT_KEYS_CHUNK).
 ADMIT = """
-SELECT queue, jobs FROM {schema}.keys_admit(%(keys)s::text[], NULL)
+SELECT queue, jobs, busy FROM {schema}.keys_admit(%(keys)s::text[], NULL, false)
 """
 
 # The oldest waiting job of each key asked about, if it fits (the fallback of
 # skiplock.admission, which finds a row that cannot be admitted by trying the head of its
 # key's line alone).
 ADMIT_HEADS = """
-SELECT queue, jobs FROM {schema}.keys_admit(%(keys)s::text[], 1)
+SELECT queue, jobs, busy FROM {schema}.keys_admit(%(keys)s::text[], 1, true)
 """
 
-# The keys' locks, until the transaction ends: the fallback reads a key's head and makes
-# it dead under the lock that ADMIT_HEADS takes again (the locks are re-entrant).
+# The keys' locks, until the transaction ends, waited for (within lock_timeout): the
+# fallback reads a key's head and makes it dead under the lock that ADMIT_HEADS takes
+# again (the locks are re-entrant).
 KEYS_LOCK = """
-SELECT {schema}.keys_lock(%(keys)s::text[])
+SELECT {schema}.keys_lock(%(keys)s::text[], true)
 """
 
 # Rate-limited keys that still have waiting jobs, and in how many seconds the oldest

@@ -45,6 +45,10 @@ ADMIT_KEYS_MAX = 1000
 # can send 'admit', and a full pass reads every waiting key. Requests in between are
 # coalesced into one pass at the end of the interval (keyed passes are not held back).
 ASKED_FULL_SECONDS = 1.0
+# A key another admitter held during a pass (a completion admitting it: decision 017) is
+# asked about again this many seconds later: that admitter's snapshot may predate what
+# this pass was asked for.
+BUSY_RETRY_SECONDS = 0.05
 
 
 class Election(PeriodicService):
@@ -282,7 +286,9 @@ class Admission:
         loop = asyncio.get_running_loop()
         next_full = loop.time()
         last_full = float("-inf")
-        rate_due: dict[str, float] = {}  # rate-limited key -> when its window makes room
+        # Keys to ask about again, and when: rate-limited keys when their window makes
+        # room, keys another admitter held soon.
+        rate_due: dict[str, float] = {}
         while True:
             due = [next_full, *rate_due.values()]
             if self._asked_all:
@@ -323,19 +329,25 @@ class Admission:
                 log.warning("admitting keyed jobs failed (%s); will retry", describe(exc))
                 await asyncio.sleep(self._retry_after)
                 continue
-            rate_due = {key: loop.time() + seconds for key, seconds in rate_next.items()}
+            # Keys not yet due stay due, unless this pass visited every key.
+            kept = {} if asked is None else {k: at for k, at in rate_due.items() if at > now}
+            rate_due = kept | {key: loop.time() + seconds for key, seconds in rate_next.items()}
             if admitted:
                 self._on_admitted(admitted)
                 log.debug("admitted %d keyed jobs", admitted)
 
     async def admit_pass(self, asked: list[str] | None) -> tuple[int, dict[str, float]]:
         """One admission (of the ``asked`` keys, None: of every waiting key): the jobs
-        admitted, and the rate-limited keys with the seconds until their window makes
-        room. The whole database side of this service: skiplock.admission, where one bad
-        key or row fails alone."""
+        admitted, and the keys to ask about again with the seconds until then (rate-limited
+        keys when their window makes room, keys another admitter held soon). The whole
+        database side of this service: skiplock.admission, where one bad key or row fails
+        alone."""
         async with self._pool.connection() as conn:
             report = await admission.admit_pass(conn, self._schema, asked)
-        return report.admitted, report.rate_due
+        due = dict(report.rate_due)
+        for key in report.busy:
+            due.setdefault(key, BUSY_RETRY_SECONDS)
+        return report.admitted, due
 
 
 class Promotion(PeriodicService):
