@@ -129,8 +129,10 @@ async def admit_pass(
     asked: Sequence[str] | None,
     *,
     failure_log: FailureLog | None = None,
+    stalled: bool = False,
 ) -> AdmissionReport:
-    """Admit the keys ``asked`` (None: every key with waiting jobs), ADMIT_KEYS_CHUNK keys
+    """Admit the keys ``asked`` (None: every key with waiting jobs; with ``stalled``, also
+    every key with waiting jobs and none admitted, KEYS_STALLED), ADMIT_KEYS_CHUNK keys
     per transaction, and read when rate-limited keys have room again. Admission notifies
     the queues that received jobs (keys_admit, migration 0016).
 
@@ -143,6 +145,9 @@ async def admit_pass(
         wanted = [str(row[0]) for row in await cur.fetchall()]
     else:
         wanted = sorted(set(asked))
+        if stalled:
+            cur = await conn.execute(render(keys.KEYS_STALLED, schema))
+            wanted = sorted(set(wanted) | {str(row[0]) for row in await cur.fetchall()})
     failing: list[str] = []
     reason = ""
     for start in range(0, len(wanted), ADMIT_KEYS_CHUNK):

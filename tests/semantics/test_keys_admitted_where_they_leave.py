@@ -231,10 +231,10 @@ def test_a_row_the_database_refuses_never_fails_the_ending_and_goes_to_the_leade
     assert states(sem, line) == [None, "dead", "available"]
 
 
-def admit_pass(sem: Sem, asked: Sequence[str] | None) -> AdmissionReport:
+def admit_pass(sem: Sem, asked: Sequence[str] | None, *, stalled: bool = False) -> AdmissionReport:
     async def run() -> AdmissionReport:
         async with await psycopg.AsyncConnection.connect(sem.url, autocommit=True) as conn:
-            return await admission.admit_pass(conn, sem.schema, asked)
+            return await admission.admit_pass(conn, sem.schema, asked, stalled=stalled)
 
     return asyncio.run(run())
 
@@ -257,6 +257,37 @@ def test_the_leader_leaves_a_key_held_elsewhere_and_names_it(sem: Sem) -> None:
     assert (report.admitted, report.busy) == (1, ["held"])
     assert states(sem, [held, free]) == ["blocked", "available"]
     assert admit_pass(sem, report.busy).admitted == 1
+
+
+def test_the_periodic_pass_visits_the_keys_a_lost_request_leaves_waiting(sem: Sem) -> None:
+    """Keys with waiting jobs and none admitted wait for good if their request was lost;
+    keys with admitted jobs are admitted again when those end, and are left alone."""
+
+    @sem.app.task(name="sync")
+    def sync(n: int) -> None: ...
+
+    running = [int(sem.enqueue(sync.with_options(ordering_key="running"), n=n)) for n in (0, 1)]
+    assert admit(sem, ["running"]) == 1
+    wide = sync.with_options(concurrency_key="wide", concurrency_limit=3)
+    partly = [int(sem.enqueue(wide, n=n)) for n in (2, 3)]
+    assert admit(sem, ["wide"]) == 2
+    partly.append(int(sem.enqueue(wide, n=4)))  # its request lost: the key has room
+    lost = [int(sem.enqueue(sync.with_options(ordering_key="lost"), n=n)) for n in (5, 6)]
+    asked = int(sem.enqueue(sync.with_options(ordering_key="asked"), n=7))
+
+    report = admit_pass(sem, ["asked"], stalled=True)
+
+    assert report.admitted == 2
+    assert states(sem, [*running, *partly, *lost, asked]) == [
+        "available",
+        "blocked",
+        "available",
+        "available",
+        "blocked",  # admitted when one of the others ends
+        "available",
+        "blocked",
+        "available",
+    ]
 
 
 def test_a_full_pass_admits_more_keys_than_one_transaction_locks(sem: Sem) -> None:

@@ -60,6 +60,19 @@ KEYS_WAITING = """
 SELECT DISTINCT ordering_key FROM {jobs} WHERE state = 'blocked' ORDER BY ordering_key
 """
 
+# Keys with waiting jobs and none admitted: the only ones that can wait forever when a
+# request for them was lost (any other key is admitted again as soon as one of its
+# admitted jobs ends, decision 017). The leader's periodic pass, which no request asked
+# for, visits these: a look-up per waiting key instead of an admission.
+KEYS_STALLED = """
+SELECT w.key
+FROM (SELECT DISTINCT ordering_key AS key FROM {jobs} WHERE state = 'blocked') AS w
+WHERE NOT EXISTS (SELECT 1 FROM {jobs} AS a
+                  WHERE a.ordering_key = w.key
+                    AND a.state IN ('scheduled', 'available', 'running', 'retryable'))
+ORDER BY w.key
+"""
+
 # The oldest waiting job of a key: the one ADMIT_HEADS tries.
 KEY_WAITING_HEAD = """
 SELECT id FROM {jobs} WHERE ordering_key = %(key)s AND state = 'blocked' ORDER BY id LIMIT 1

@@ -237,10 +237,12 @@ class History(LeaderService):
 
 
 class Admission:
-    """As leader, admit waiting keyed jobs: the keys notifications name at once,
-    rate-limited keys when their window makes room, and every key with waiting jobs
-    every ``every`` seconds (and on taking over), which covers notifications lost while
-    the listener reconnected."""
+    """As leader, admit waiting keyed jobs: the keys notifications name at once (new
+    keys, keys a completion could not admit itself: decision 017), rate-limited keys when
+    their window makes room, every key with waiting jobs on taking over and after the
+    listener reconnected (notifications may have been lost), and every ``every`` seconds
+    the keys with waiting jobs and none admitted, the only ones a lost request can leave
+    waiting for good."""
 
     name = "admission"
 
@@ -307,23 +309,28 @@ class Admission:
                 self._keys | {key for key, at in rate_due.items() if at <= now}
             )
             self._keys = set()
-            if (
-                self._all
-                or now >= next_full
-                or (self._asked_all and now >= last_full + ASKED_FULL_SECONDS)
-            ):
+            periodic = False
+            if self._all or (self._asked_all and now >= last_full + ASKED_FULL_SECONDS):
                 asked = None
                 if self._asked_all:
                     # Only passes that served a request delay the next one: a request
-                    # just after the pass on start or the periodic pass (a bulk enqueue
-                    # of many keys as the worker comes up) is served at once.
+                    # just after the pass on start (a bulk enqueue of many keys as the
+                    # worker comes up) is served at once.
                     last_full = now
                 self._all = self._asked_all = False
+                next_full = now + self._every
+            elif now >= next_full:
+                # Asked for by no one: the keys that can wait forever (KEYS_STALLED),
+                # with the keys asked about.
+                periodic = True
                 next_full = now + self._every
             elif not asked:
                 continue
             try:
-                admitted, rate_next = await self.admit_pass(asked)
+                if periodic:
+                    admitted, rate_next = await self.admit_stalled(asked or [])
+                else:
+                    admitted, rate_next = await self.admit_pass(asked)
             except psycopg.Error as exc:
                 self._all = True
                 log.warning("admitting keyed jobs failed (%s); will retry", describe(exc))
@@ -344,10 +351,22 @@ class Admission:
         alone."""
         async with self._pool.connection() as conn:
             report = await admission.admit_pass(conn, self._schema, asked)
+        return report.admitted, self._due(report)
+
+    async def admit_stalled(self, asked: list[str]) -> tuple[int, dict[str, float]]:
+        """The periodic pass: the ``asked`` keys and every key with waiting jobs and none
+        admitted (a key with admitted jobs is admitted again when one of them ends);
+        returns as admit_pass."""
+        async with self._pool.connection() as conn:
+            report = await admission.admit_pass(conn, self._schema, asked, stalled=True)
+        return report.admitted, self._due(report)
+
+    @staticmethod
+    def _due(report: admission.AdmissionReport) -> dict[str, float]:
         due = dict(report.rate_due)
         for key in report.busy:
             due.setdefault(key, BUSY_RETRY_SECONDS)
-        return report.admitted, due
+        return due
 
 
 class Promotion(PeriodicService):
