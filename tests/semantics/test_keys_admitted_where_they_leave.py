@@ -231,6 +231,27 @@ def test_a_row_the_database_refuses_never_fails_the_ending_and_goes_to_the_leade
     assert states(sem, line) == [None, "dead", "available"]
 
 
+def test_an_ending_in_a_repeatable_read_transaction_hands_its_keys_to_the_leader(
+    sem: Sem, control: Notes
+) -> None:
+    """Its snapshot is older than the keys' locks: admitting there could pass a limit."""
+
+    @sem.app.task(name="sync")
+    def sync(n: int) -> None: ...
+
+    line = [int(sem.enqueue(sync.with_options(ordering_key="rr"), n=n)) for n in range(2)]
+    assert admit(sem) == 1
+    control.collect()
+    with sem.connect(autocommit=False) as conn:
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        conn.execute(render("DELETE FROM {jobs} WHERE id = %s", sem.schema), (line[0],))
+        conn.commit()
+
+    assert states(sem, line) == [None, "blocked"]
+    assert control.collect() == ["admit\trr"]
+    assert admit(sem, ["rr"]) == 1
+
+
 def admit_pass(sem: Sem, asked: Sequence[str] | None, *, stalled: bool = False) -> AdmissionReport:
     async def run() -> AdmissionReport:
         async with await psycopg.AsyncConnection.connect(sem.url, autocommit=True) as conn:

@@ -100,6 +100,15 @@ DECLARE
     held_elsewhere text[];
     at timestamptz;
 BEGIN
+    -- Only a statement that takes its own snapshot sees what the keys' previous admitters
+    -- committed: under REPEATABLE READ or SERIALIZABLE (a user's transaction deleting
+    -- keyed jobs) the snapshot is the transaction's, and a key could be admitted past its
+    -- limit. Refused here; the trigger then hands the keys to the leader.
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'keyed jobs are admitted under READ COMMITTED only, not %',
+            current_setting('transaction_isolation')
+            USING ERRCODE = 'feature_not_supported';
+    END IF;
     held_elsewhere := keys_lock(wanted, wait);
     at := clock_timestamp();
     RETURN QUERY
