@@ -280,6 +280,40 @@ def test_the_leader_leaves_a_key_held_elsewhere_and_names_it(sem: Sem) -> None:
     assert admit_pass(sem, report.busy).admitted == 1
 
 
+def test_the_leader_comes_back_for_a_key_it_found_held(
+    sem: Sem, workers: StartWorkers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A moment later, not at its next periodic pass (a minute away here)."""
+    from skiplock.worker.leader import Admission  # noqa: PLC0415 - the class spied on
+
+    found_held = threading.Event()
+    original = Admission.admit_pass
+
+    async def spied(self: Admission, asked: list[str] | None) -> tuple[int, dict[str, float]]:
+        admitted, due = await original(self, asked)
+        if "held" in due:
+            found_held.set()
+        return admitted, due
+
+    monkeypatch.setattr(Admission, "admit_pass", spied)
+    ran = threading.Event()
+
+    @sem.app.task(name="sync")
+    def sync(n: int) -> None:
+        ran.set()
+
+    workers(1, admit_interval=60.0)
+    holder = hold_keys(sem, "held")
+    try:
+        job = int(sem.enqueue(sync.with_options(ordering_key="held"), n=0))
+        assert found_held.wait(PATIENCE), "the leader's pass did not meet the held key"
+        assert states(sem, [job]) == ["blocked"]
+    finally:
+        holder.rollback()
+        holder.close()
+    assert ran.wait(PATIENCE)
+
+
 def test_the_periodic_pass_visits_the_keys_a_lost_request_leaves_waiting(sem: Sem) -> None:
     """Keys with waiting jobs and none admitted wait for good if their request was lost;
     keys with admitted jobs are admitted again when those end, and are left alone."""

@@ -290,9 +290,9 @@ class Admission:
         last_full = float("-inf")
         # Keys to ask about again, and when: rate-limited keys when their window makes
         # room, keys another admitter held soon.
-        rate_due: dict[str, float] = {}
+        keys_due: dict[str, float] = {}
         while True:
-            due = [next_full, *rate_due.values()]
+            due = [next_full, *keys_due.values()]
             if self._asked_all:
                 due.append(last_full + ASKED_FULL_SECONDS)
             await wait_event(self._wake, min(due) - loop.time())
@@ -302,11 +302,11 @@ class Admission:
                 self._keys.clear()
                 self._all = True
                 self._asked_all = False
-                rate_due.clear()
+                keys_due.clear()
                 next_full = now + self._every
                 continue
             asked: list[str] | None = sorted(
-                self._keys | {key for key, at in rate_due.items() if at <= now}
+                self._keys | {key for key, at in keys_due.items() if at <= now}
             )
             self._keys = set()
             periodic = False
@@ -328,17 +328,17 @@ class Admission:
                 continue
             try:
                 if periodic:
-                    admitted, rate_next = await self.admit_stalled(asked or [])
+                    admitted, next_due = await self.admit_stalled(asked or [])
                 else:
-                    admitted, rate_next = await self.admit_pass(asked)
+                    admitted, next_due = await self.admit_pass(asked)
             except psycopg.Error as exc:
                 self._all = True
                 log.warning("admitting keyed jobs failed (%s); will retry", describe(exc))
                 await asyncio.sleep(self._retry_after)
                 continue
             # Keys not yet due stay due, unless this pass visited every key.
-            kept = {} if asked is None else {k: at for k, at in rate_due.items() if at > now}
-            rate_due = kept | {key: loop.time() + seconds for key, seconds in rate_next.items()}
+            kept = {} if asked is None else {k: at for k, at in keys_due.items() if at > now}
+            keys_due = kept | {key: loop.time() + seconds for key, seconds in next_due.items()}
             if admitted:
                 self._on_admitted(admitted)
                 log.debug("admitted %d keyed jobs", admitted)
