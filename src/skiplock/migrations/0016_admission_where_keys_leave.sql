@@ -33,35 +33,15 @@ LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE;
 -- first, then pg_temp last (as in 0012).
 SELECT set_config('search_path', format('%I, pg_temp', current_schema()), true);
 
--- Take turns with every other admitter of these keys, until the transaction ends. With
--- wait, in one order (two such callers never wait for each other in a cycle), as long as
--- lock_timeout allows; without, only the keys no one else holds now, returning the others
--- (busy: someone is admitting them right now).
-CREATE FUNCTION keys_lock(wanted text[], wait boolean) RETURNS text[]
-LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
-DECLARE
-    schema_lock bigint := hashtextextended(current_schema() || '.admit', 0);
-    busy text[];
-BEGIN
-    PERFORM pg_advisory_xact_lock_shared(schema_lock);
-    IF wait THEN
-        PERFORM pg_advisory_xact_lock(sorted.lock)
-        FROM (SELECT DISTINCT hashtextextended(k, schema_lock) AS lock
-              FROM unnest(wanted) AS k
-              ORDER BY 1) AS sorted;
-        RETURN '{}';
-    END IF;
-    SELECT coalesce(array_agg(k), '{}') INTO busy
-    FROM (SELECT DISTINCT k FROM unnest(wanted) AS k) AS asked
-    WHERE NOT pg_try_advisory_xact_lock(hashtextextended(k, schema_lock));
-    RETURN busy;
-END
-$$;
-
 -- For each key wanted, admit its oldest waiting jobs, oldest first, as many as fit (at
 -- most at_most per key; NULL: no such bound), and notify the queues that received jobs
 -- (the payload of the insert trigger). Returns the jobs admitted per queue, then a row
--- for each key left alone because another admitter held it (without wait, keys_lock).
+-- for each key left alone because another admitter held it.
+--
+-- First, take turns with every other admitter of these keys, until the transaction ends.
+-- With wait, in one order (two such callers never wait for each other in a cycle), as
+-- long as lock_timeout allows; without, only the keys no one else holds now (someone is
+-- admitting the others right now). With at_most 0 it only takes the locks (KEYS_LOCK).
 --
 -- Every job's own key_limit holds while it is admitted: a key never has more admitted
 -- jobs (scheduled, available, running, retryable) than the lowest limit among them (jobs
@@ -76,8 +56,8 @@ $$;
 -- Periods are compared in seconds (float8), never turned into intervals, so no stored
 -- value can overflow the statement for every key.
 --
--- The admitting statement runs after keys_lock, so its snapshot is taken once the locks
--- are held (a volatile function takes a new snapshot for each statement).
+-- The admitting statement runs after the locks are taken, so its snapshot is taken once
+-- they are held (a volatile function takes a new snapshot for each statement).
 -- statement_timestamp() of a trigger is that of the statement that fired it: rates are
 -- compared with clock_timestamp() instead. A job retried by hand may carry a retry_at
 -- from before; it runs at once when admitted.
@@ -97,7 +77,8 @@ SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_column
 DECLARE
-    held_elsewhere text[];
+    schema_lock bigint := hashtextextended(current_schema() || '.admit', 0);
+    held_elsewhere text[] := '{}';
     at timestamptz;
 BEGIN
     -- Only a statement that takes its own snapshot sees what the keys' previous admitters
@@ -109,7 +90,17 @@ BEGIN
             current_setting('transaction_isolation')
             USING ERRCODE = 'feature_not_supported';
     END IF;
-    held_elsewhere := keys_lock(wanted, wait);
+    PERFORM pg_advisory_xact_lock_shared(schema_lock);
+    IF wait THEN
+        PERFORM pg_advisory_xact_lock(sorted.lock)
+        FROM (SELECT DISTINCT hashtextextended(k, schema_lock) AS lock
+              FROM unnest(wanted) AS k
+              ORDER BY 1) AS sorted;
+    ELSE
+        SELECT coalesce(array_agg(asked.k), '{}') INTO held_elsewhere
+        FROM (SELECT DISTINCT k FROM unnest(wanted) AS k) AS asked
+        WHERE NOT pg_try_advisory_xact_lock(hashtextextended(asked.k, schema_lock));
+    END IF;
     at := clock_timestamp();
     RETURN QUERY
     WITH head AS (
@@ -194,28 +185,36 @@ BEGIN
 END
 $$;
 
--- Admission where admitted keyed jobs were deleted, from the trigger below. It must never
--- fail the statement that fired it (a completion refused would be taken for a bad
--- result): whatever goes wrong, a lock not had within lock_timeout (a transaction that
--- holds one of the keys for long), a row the database refuses, a role that may not write
--- key_rates, is undone (the block is a subtransaction) and the keys are handed to the
--- leader, as before this migration: one request per key, or one for a full pass when
--- they are many. At most 512 keys are admitted here: each holds a lock until the
--- transaction ends, from the lock table every session shares (max_locks_per_transaction
--- times max_connections: 6,400 by default). A worker's completion batch has at most
--- twice its concurrency of jobs (a hundred at least), so up to 256 slots per process
--- stay within it; the keys beyond go to the leader.
-CREATE FUNCTION keys_admit_freed(freed text[]) RETURNS void
+-- Once per DELETE statement: the keys of the admitted jobs it deleted are admitted again.
+-- Jobs without keys cost one scan of the deleted rows.
+--
+-- It must never fail the statement that fired it (a completion refused would be taken
+-- for a bad result): whatever goes wrong, a lock not had within lock_timeout (a
+-- transaction that holds one of the keys for long), a row the database refuses, a role
+-- that may not write key_rates, is undone (the block is a subtransaction) and the keys
+-- are handed to the leader, as before this migration: one request per key, or one for a
+-- full pass when they are many. At most 512 keys are admitted here: each holds a lock
+-- until the transaction ends, from the lock table every session shares
+-- (max_locks_per_transaction times max_connections: 6,400 by default). A worker's
+-- completion batch has at most twice its concurrency of jobs (a hundred at least), so up
+-- to 256 slots per process stay within it; the keys beyond go to the leader.
+CREATE FUNCTION admit_keys_left() RETURNS trigger
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 SET lock_timeout = '100ms'
 AS $$
 DECLARE
-    here text[] := freed[1:512];
-    leader text[] := freed[513:];
+    freed text[];
+    leader text[];
 BEGIN
+    IF NOT EXISTS (SELECT FROM gone WHERE ordering_key IS NOT NULL AND state <> 'blocked') THEN
+        RETURN NULL;
+    END IF;
+    freed := ARRAY(SELECT DISTINCT ordering_key FROM gone
+                   WHERE ordering_key IS NOT NULL AND state <> 'blocked');
+    leader := freed[513:];
     BEGIN
-        PERFORM count(*) FROM keys_admit(here, NULL, true);
+        PERFORM count(*) FROM keys_admit(freed[1:512], NULL, true);
     EXCEPTION WHEN OTHERS THEN
         leader := freed;  -- the leader admits them all
     END;
@@ -224,20 +223,6 @@ BEGIN
     ELSIF cardinality(leader) > 0 THEN
         PERFORM pg_notify(current_schema() || '.control', 'admit' || E'\t' || k)
         FROM unnest(leader) AS k;
-    END IF;
-END
-$$;
-
--- Once per DELETE statement. Jobs without keys cost one scan of the deleted rows (no
--- search_path set, no call: this function runs for every completion); the rest is
--- called by name in this table's schema.
-CREATE FUNCTION admit_keys_left() RETURNS trigger
-LANGUAGE plpgsql AS $$
-BEGIN
-    IF EXISTS (SELECT FROM gone WHERE ordering_key IS NOT NULL AND state <> 'blocked') THEN
-        EXECUTE format('SELECT %I.keys_admit_freed($1)', TG_TABLE_SCHEMA)
-        USING ARRAY(SELECT DISTINCT ordering_key FROM gone
-                    WHERE ordering_key IS NOT NULL AND state <> 'blocked');
     END IF;
     RETURN NULL;
 END

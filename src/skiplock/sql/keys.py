@@ -3,11 +3,10 @@
 The admission itself is a function of the schema (migration 0016, ``keys_admit``), so
 that the statement deleting an admitted keyed job can admit its key's next one through a
 trigger, and the leader runs the very same code for the keys it is asked about. Each call
-is a transaction that first takes the keys' locks (``keys_lock``) and only then admits,
-in a statement whose snapshot is taken once the locks are held: it sees everything the
-previous admitter of each key committed, so two admitters (two completions, a completion
-and the leader, a leader and one that has not yet noticed it lost) never admit past a
-key's limit between them.
+first takes the keys' locks and only then admits, in a statement whose snapshot is taken
+once the locks are held: it sees everything the previous admitter of each key committed,
+so two admitters (two completions, a completion and the leader, a leader and one that
+has not yet noticed it lost) never admit past a key's limit between them.
 """
 
 # The keys asked about, each admitted as far as it has room (keys_admit, 0016): rows of
@@ -26,11 +25,11 @@ ADMIT_HEADS = """
 SELECT queue, jobs, busy FROM {schema}.keys_admit(%(keys)s::text[], 1, true)
 """
 
-# The keys' locks, until the transaction ends, waited for (within lock_timeout): the
-# fallback reads a key's head and makes it dead under the lock that ADMIT_HEADS takes
-# again (the locks are re-entrant).
+# The keys' locks, until the transaction ends, waited for (within lock_timeout), and no
+# admission (room for none): the fallback reads a key's head and makes it dead under the
+# lock that ADMIT_HEADS takes again (the locks are re-entrant).
 KEYS_LOCK = """
-SELECT {schema}.keys_lock(%(keys)s::text[], true)
+SELECT count(*) FROM {schema}.keys_admit(%(keys)s::text[], 0, true)
 """
 
 # Rate-limited keys that still have waiting jobs, and in how many seconds the oldest
