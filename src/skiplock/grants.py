@@ -81,16 +81,14 @@ TABLES: dict[str, dict[Use, tuple[str, ...]]] = {
 FUNCTIONS: dict[str, tuple[str, frozenset[Use]]] = {
     "history_partition_create": ("day date", frozenset({Use.WORKER, Use.ADMIN})),
     "history_partition_drop": ("day date", frozenset({Use.WORKER, Use.ADMIN})),
-    # Admission (0016): the leader calls the first two; the trigger of a DELETE of keyed
-    # jobs (a completion, a cancel) calls the third, which calls them. SECURITY INVOKER,
-    # so EXECUTE also stays with PUBLIC: the caller needs the table privileges anyway,
-    # and a DELETE by a role left out here must not fail on its trigger.
+    # Admission (0016): the leader calls it, and so does the trigger of a DELETE of keyed
+    # jobs (a completion, a cancel). SECURITY INVOKER, so EXECUTE also stays with PUBLIC:
+    # the caller needs the table privileges anyway, and a DELETE by a role left out here
+    # must not fail on its trigger.
     "keys_admit": (
         "wanted text[], at_most integer, wait boolean",
         frozenset({Use.WORKER, Use.ADMIN}),
     ),
-    "keys_admit_freed": ("freed text[]", frozenset({Use.WORKER, Use.ADMIN})),
-    "keys_lock": ("wanted text[], wait boolean", frozenset({Use.WORKER, Use.ADMIN})),
 }
 
 
