@@ -1,4 +1,4 @@
-"""What a job keeps of its attempts for reports (migration 0017): the first start, every
+"""What a job keeps of its attempts for reports (migration 0016): the first start, every
 worker that claimed it, and the module of each failure's exception."""
 
 from __future__ import annotations

@@ -248,7 +248,7 @@ def test_no_statement_walks_the_jobs_table_when_the_statistics_say_it_is_tiny(
             assert scan.get("Index Cond"), (scan["Node Type"], scan.get("Index Name"))
 
 
-# -- admission, inside keys_admit (migration 0016) -------------------------------------
+# -- admission, inside keys_admit (migration 0015) -------------------------------------
 
 
 def nested_plans(conn: psycopg.Connection[Any], statement: str, params: Any) -> list[Any]:
@@ -279,7 +279,7 @@ def nested_plans(conn: psycopg.Connection[Any], statement: str, params: Any) -> 
 def test_admission_reads_the_jobs_table_by_index_conditions_only(
     filled: psycopg.Connection[Any], mode: str, session: str, statistics: str
 ) -> None:
-    """keys_admit's statement (0016), run by a worker's completion, the leader or any
+    """keys_admit's statement (0015), run by a worker's completion, the leader or any
     session that deletes a keyed job, finds every row of the jobs table through an index
     condition or by its address: never a walk of the table, nor a bitmap scan (which,
     while VACUUM is held back, reads a key's dead versions from the heap on every

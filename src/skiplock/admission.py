@@ -134,7 +134,7 @@ async def admit_pass(
     """Admit the keys ``asked`` (None: every key with waiting jobs; with ``stalled``, also
     every key with waiting jobs and none admitted, KEYS_STALLED), ADMIT_KEYS_CHUNK keys
     per transaction, and read when rate-limited keys have room again. Admission notifies
-    the queues that received jobs (keys_admit, migration 0016).
+    the queues that received jobs (keys_admit, migration 0015).
 
     ``conn`` must be in autocommit mode: every attempt is a transaction of its own, under
     the keys' locks. Errors other than ROW_ERRORS are raised to the caller."""

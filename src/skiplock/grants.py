@@ -81,7 +81,7 @@ TABLES: dict[str, dict[Use, tuple[str, ...]]] = {
 FUNCTIONS: dict[str, tuple[str, frozenset[Use]]] = {
     "history_partition_create": ("day date", frozenset({Use.WORKER, Use.ADMIN})),
     "history_partition_drop": ("day date", frozenset({Use.WORKER, Use.ADMIN})),
-    # Admission (0016): the leader calls it, and so does the trigger of a DELETE of keyed
+    # Admission (0015): the leader calls it, and so does the trigger of a DELETE of keyed
     # jobs (a completion, a cancel). SECURITY INVOKER, so EXECUTE also stays with PUBLIC:
     # the caller needs the table privileges anyway, and a DELETE by a role left out here
     # must not fail on its trigger.

@@ -1,4 +1,4 @@
-"""A keyed job's successor is admitted by the statement that ends it (migration 0016,
+"""A keyed job's successor is admitted by the statement that ends it (migration 0015,
 decision 017): a completion, a cancellation or a DELETE by hand admits its keys' next
 jobs in its own transaction, with the rules and the locks of the leader's admission, and
 hands the keys to the leader instead whenever it cannot (a key held elsewhere, a row the

@@ -53,7 +53,7 @@ def states(sem: Sem, ids: Sequence[int]) -> list[str | None]:
 
 def finish(sem: Sem, *ids: int) -> None:
     """The admitted jobs leave their key as a completion would: the row goes. Without the
-    admission that a completion's trigger runs (0016): the admission under test here is
+    admission that a completion's trigger runs (0015): the admission under test here is
     the leader's call that follows."""
     with sem.connect() as conn:
         conn.execute("SET session_replication_role = replica")  # no triggers

@@ -48,7 +48,7 @@ SET state = 'running',
     claimed_ahead = false,
     worker_id = %(worker_id)s,
     attempted_at = now(),
-    -- The first start and every claiming worker, kept for reports (0017).
+    -- The first start and every claiming worker, kept for reports (0016).
     started_at = coalesce(j.started_at, now()),
     worker_ids = j.worker_ids || %(worker_id)s::uuid,
     lease_expires_at = now() + %(lease_seconds)s * interval '1 second'

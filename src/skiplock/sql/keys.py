@@ -1,6 +1,6 @@
-"""Admitting keyed jobs: the only writers that turn 'blocked' into runnable (0008, 0016).
+"""Admitting keyed jobs: the only writers that turn 'blocked' into runnable (0008, 0015).
 
-The admission itself is a function of the schema (migration 0016, ``keys_admit``), so
+The admission itself is a function of the schema (migration 0015, ``keys_admit``), so
 that the statement deleting an admitted keyed job can admit its key's next one through a
 trigger, and the leader runs the very same code for the keys it is asked about. Each call
 first takes the keys' locks and only then admits, in a statement whose snapshot is taken
@@ -9,7 +9,7 @@ so two admitters (two completions, a completion and the leader, a leader and one
 has not yet noticed it lost) never admit past a key's limit between them.
 """
 
-# The keys asked about, each admitted as far as it has room (keys_admit, 0016): rows of
+# The keys asked about, each admitted as far as it has room (keys_admit, 0015): rows of
 # (queue, jobs admitted), then (NULL, 0, key) for each key another admitter held (a
 # completion admitting it right now): those are left alone, never waited for. One
 # transaction: it holds one lock per key until it commits, so callers pass a bounded

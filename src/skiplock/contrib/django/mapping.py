@@ -56,7 +56,7 @@ def status_name(state: str) -> str:
 def exception_path(record: Mapping[str, Any]) -> str:
     """The import path of a failure's exception class, from its error record.
 
-    Records carry the class's module since 0017's release (executor.error_record). Older
+    Records carry the class's module since 0016's release (executor.error_record). Older
     records, and those skiplock writes in SQL (WorkerLost, LeaseExpired, Cancelled,
     WorkerShutdown, which name an event rather than a class), have none: a builtin name
     is a builtin, anything else is named under skiplock.errors."""

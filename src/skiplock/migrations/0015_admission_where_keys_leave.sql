@@ -1,4 +1,4 @@
--- skiplock 0016: a keyed job's successor is admitted by the statement that ends it
+-- skiplock 0015: a keyed job's successor is admitted by the statement that ends it
 -- (decision 017).
 --
 -- Until now every admission went through the leader: a finished keyed job's row trigger

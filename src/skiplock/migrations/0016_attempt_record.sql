@@ -1,4 +1,4 @@
--- skiplock 0017: when a job first started and which workers took it. Readers that report a
+-- skiplock 0016: when a job first started and which workers took it. Readers that report a
 -- job's life (Django's task results: started_at, worker_ids, attempts) need both, and
 -- neither can be rebuilt later: attempted_at is overwritten by each attempt, worker_id
 -- is cleared when the lease ends. Lease-mode claims set them; they move to history with
