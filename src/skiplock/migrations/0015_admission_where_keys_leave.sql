@@ -9,7 +9,7 @@
 -- cancellation, a hand-written DELETE) admits their keys' next jobs itself, once per
 -- statement, in its own transaction: they become available when it commits. The leader
 -- still admits new keys (the insert trigger asks it), keys whose job went dead or back in
--- line, and every waiting key in its periodic full pass.
+-- line, keys a deleting statement could not admit, and its full and periodic passes.
 --
 -- Admitters take turns per key instead of on one lock for the whole schema: each takes
 -- the keys' transaction-scoped advisory locks before the statement that admits, so that
