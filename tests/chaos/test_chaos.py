@@ -659,15 +659,21 @@ def pause_outside_transactions(
     for _ in range(100):
         fleet.send(victim, signal.SIGSTOP, "stop")
         # Statements already sent run to their end without the client (unless the server
-        # waits to write to it); then an open transaction shows as idle in transaction.
+        # waits to write to it); then an open transaction shows as idle in transaction,
+        # or, for a pipeline the client had not finished sending (the completer's flush),
+        # as active and waiting to read from the client.
         wait_until(
             lambda: all(
-                s != "active" or e == "ClientWrite" for s, e in backend_states(db, victim.appname)
+                s != "active" or e in ("ClientWrite", "ClientRead")
+                for s, e in backend_states(db, victim.appname)
             ),
             STARTUP_TIMEOUT,
             what="the stopped worker's statements to finish",
         )
-        if all(s != "idle in transaction" for s, _ in backend_states(db, victim.appname)):
+        if not any(
+            s == "idle in transaction" or (s == "active" and e == "ClientRead")
+            for s, e in backend_states(db, victim.appname)
+        ):
             return
         fleet.send(victim, signal.SIGCONT, "cont")
         time.sleep(rng.uniform(0.005, 0.05))  # the chaos's schedule: try again a moment later
