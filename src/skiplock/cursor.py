@@ -30,10 +30,14 @@ class ClaimCursor:
     def __init__(self) -> None:
         self.position: Position | None = None
         self._sweep = True
+        # The lowest position rewound to since the claim in flight started: that claim's
+        # snapshot may not hold the job announced, so its advance must not pass it.
+        self._rewound: Position | None = None
         self.sweeps = 0
 
     def start(self) -> Position | None:
         """The position to claim after, or None for a full claim from the start."""
+        self._rewound = None
         if self.position is None or self._sweep:
             self._sweep = False
             self.sweeps += 1
@@ -41,10 +45,14 @@ class ClaimCursor:
         return self.position
 
     def advance(self, claimed: list[Position]) -> None:
-        """Move past the jobs just claimed (never backwards: that is rewind's job)."""
+        """Move past the jobs just claimed, never past a position a notification asked
+        for meanwhile (never backwards: that is rewind's job)."""
+        rewound, self._rewound = self._rewound, None
         if not claimed:
             return
         last = max(claimed)
+        if rewound is not None:
+            last = min(last, rewound)
         if self.position is None or last > self.position:
             self.position = last
 
@@ -56,15 +64,18 @@ class ClaimCursor:
             self.force_sweep()
             return
         # Epoch seconds lose sub-microsecond precision: step back one microsecond more.
-        target: Position = (wakeup.priority, wakeup.run_at - timedelta(microseconds=1), 0)
-        self.position = min(self.position, target)
+        self._step_back((wakeup.priority, wakeup.run_at - timedelta(microseconds=1), 0))
 
     def rewind_to(self, found: Position) -> None:
         """Step back to just before a ready job that the probe found behind the cursor."""
         if self.position is None:
             return
         priority, run_at, job_id = found
-        self.position = min(self.position, (priority, run_at, job_id - 1))
+        self._step_back((priority, run_at, job_id - 1))
+
+    def _step_back(self, target: Position) -> None:
+        self.position = min(self.position, target) if self.position is not None else target
+        self._rewound = target if self._rewound is None else min(self._rewound, target)
 
     def force_sweep(self) -> None:
         self._sweep = True
