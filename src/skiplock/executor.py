@@ -15,7 +15,6 @@ import math
 import random
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from contextlib import contextmanager, suppress
@@ -38,6 +37,7 @@ from skiplock.errors import (
 from skiplock.retry import RetryPolicy, decide_failure, retry_at_from
 from skiplock.sql import claim, complete, render
 from skiplock.storable import encode_result, storable_message, storable_text
+from skiplock.tracebacks import format_handler_exception
 from skiplock.types import ClaimedJob
 
 log = logging.getLogger("skiplock.executor")
@@ -99,7 +99,7 @@ def error_record(exc: BaseException, attempt: int, now: datetime) -> dict[str, A
     Every string is made storable (skiplock.storable): a message with a NUL or a lone
     surrogate in it must not cost the job its record, nor its batch the write."""
     try:
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        tb = format_handler_exception(exc)
     except Exception as broken:  # a user's exception may break even this
         tb = f"<traceback could not be formatted: {type(broken).__qualname__}>"
     return {
