@@ -11,7 +11,7 @@ import inspect
 import json
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -432,6 +432,32 @@ def _window_or_none(value: float | timedelta | None) -> float | None:
     return value.total_seconds() if isinstance(value, timedelta) else value
 
 
+def argument_mismatch(
+    given: Collection[str],
+    accepted: Collection[str],
+    required: Collection[str],
+    *,
+    takes_any: bool = False,
+) -> str:
+    """Every way ``given`` keyword arguments miss a handler's parameters, in one sentence.
+
+    Python's own TypeError names only the first problem, so ``orderid=1`` for
+    ``order_id`` reads as a missing ``order_id`` alone; naming the unexpected keyword
+    (with the parameter it is probably a typo of) shows the typo at once."""
+    unexpected = [] if takes_any else sorted(k for k in given if k not in accepted)
+    missing = sorted(k for k in required if k not in given)
+    parts = []
+    for key in unexpected:
+        close = difflib.get_close_matches(key, missing or sorted(accepted), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        parts.append(f"unexpected keyword argument {key!r}{hint}")
+    if len(missing) == 1:
+        parts.append(f"missing a required argument: {missing[0]!r}")
+    elif missing:
+        parts.append("missing required arguments: " + ", ".join(repr(k) for k in missing))
+    return "; ".join(parts) or "arguments do not fit the handler"
+
+
 class Task(Generic[R]):
     """A registered handler. Call it to run it inline; ``enqueue`` to run it later."""
 
@@ -482,14 +508,9 @@ class Task(Generic[R]):
         keys = args.keys()
         if (self._takes_any or keys <= self._names) and self._required <= keys:
             return
-        # Slow path, only to word the error the way Python would.
-        try:
-            if self.options.transactional:
-                self._signature.bind(None, **args)
-            else:
-                self._signature.bind(**args)
-        except TypeError as exc:
-            raise EnqueueError(f"cannot enqueue {self.name}: {exc}") from None
+        # Slow path, only to word the error.
+        problem = argument_mismatch(keys, self._names, self._required, takes_any=self._takes_any)
+        raise EnqueueError(f"cannot enqueue {self.name}: {problem}")
 
     def with_options(self, /, **options: Any) -> TaskCall[R]:
         """Override queue, priority, max_attempts, run_at or delay for the next enqueue,
