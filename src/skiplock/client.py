@@ -7,21 +7,62 @@ by the sync and async shells, which only execute.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import psycopg
 from psycopg.rows import dict_row
 
 from skiplock.config import control_channel, done_channel, notify_channel
-from skiplock.errors import ConfigurationError, JobNotFoundError
+from skiplock.errors import ConfigurationError, JobNotFoundError, SchemaNotReadyError
 from skiplock.sql import admin, complete, enqueue, render
 from skiplock.tasks import JobSpec, check_rate
 from skiplock.types import Job, JobState
 
 Conn = psycopg.Connection[Any]
 AsyncConn = psycopg.AsyncConnection[Any]
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+# Enqueueing before `skiplock migrate` reaches a schema or table that is not there; the
+# error names the command instead of leaving a bare UndefinedTable.
+_SCHEMA_MISSING = (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName)
+
+
+def _schema_not_ready(schema: str, exc: psycopg.Error) -> SchemaNotReadyError:
+    return SchemaNotReadyError(
+        f"skiplock's tables are not in schema {schema!r} of this database "
+        f"({str(exc).strip().splitlines()[0]}): run `skiplock migrate` first"
+    )
+
+
+def _needs_schema(
+    fn: Callable[Concatenate[Conn, str, _P], _T],
+) -> Callable[Concatenate[Conn, str, _P], _T]:
+    @functools.wraps(fn)
+    def wrapper(conn: Conn, schema: str, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        try:
+            return fn(conn, schema, *args, **kwargs)
+        except _SCHEMA_MISSING as exc:
+            raise _schema_not_ready(schema, exc) from exc
+
+    return wrapper
+
+
+def _needs_schema_async(
+    fn: Callable[Concatenate[AsyncConn, str, _P], Awaitable[_T]],
+) -> Callable[Concatenate[AsyncConn, str, _P], Awaitable[_T]]:
+    @functools.wraps(fn)
+    async def wrapper(conn: AsyncConn, schema: str, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        try:
+            return await fn(conn, schema, *args, **kwargs)
+        except _SCHEMA_MISSING as exc:
+            raise _schema_not_ready(schema, exc) from exc
+
+    return wrapper
 
 
 def _one_params(spec: JobSpec) -> dict[str, Any]:
@@ -179,6 +220,7 @@ async def _insert_windowed_async(conn: AsyncConn, schema: str, spec: JobSpec) ->
             return int(row[0]), False
 
 
+@_needs_schema
 def insert_job(conn: Conn, schema: str, spec: JobSpec) -> tuple[int, bool]:
     """Insert one job; returns (id, inserted). Not inserted: a live job holds its unique
     key (or its window has not passed), and the id is that job's."""
@@ -199,6 +241,7 @@ def insert_job(conn: Conn, schema: str, spec: JobSpec) -> tuple[int, bool]:
         # The holder finished in between: try the insert again.
 
 
+@_needs_schema_async
 async def insert_job_async(conn: AsyncConn, schema: str, spec: JobSpec) -> tuple[int, bool]:
     if spec.unique_key is None:
         cur = await conn.execute(render(enqueue.JOB_INSERT, schema), _one_params(spec))
@@ -333,6 +376,7 @@ async def _insert_unique_many_async(
     return _ids_in_order(specs, by_key, plain)
 
 
+@_needs_schema
 def insert_jobs(conn: Conn, schema: str, specs: Sequence[JobSpec]) -> list[int]:
     """Reserve ids, then COPY: two round trips for any number of jobs. A batch with unique
     jobs goes through INSERT ... ON CONFLICT instead (COPY cannot skip duplicates)."""
@@ -356,6 +400,7 @@ def insert_jobs(conn: Conn, schema: str, specs: Sequence[JobSpec]) -> list[int]:
     return list(ids)
 
 
+@_needs_schema_async
 async def insert_jobs_async(conn: AsyncConn, schema: str, specs: Sequence[JobSpec]) -> list[int]:
     if not specs:
         return []

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-import psycopg
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, transaction
@@ -218,11 +217,11 @@ class SkiplockBackend(BaseTaskBackend):
                     job_id, _ = client.insert_job(connection.connection, self.schema, spec)
             else:
                 job_id, _ = client.insert_job(connection.connection, self.schema, spec)
-        except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:
+        except SchemaNotReadyError as exc:  # the client's, which names the CLI's command
             raise SchemaNotReadyError(
                 f"skiplock's schema {self.schema!r} is not set up in database "
-                f"{self.database!r} ({str(exc).strip()}); run `python manage.py migrate`"
-            ) from exc
+                f"{self.database!r} ({str(exc.__cause__).strip()}); run `python manage.py migrate`"
+            ) from exc.__cause__
         result = TaskResult(
             task=task,
             id=str(job_id),
