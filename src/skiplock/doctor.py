@@ -144,7 +144,49 @@ def check_notifications(conn: Conn, schema: str, limits: Limits) -> list[Finding
                 "end that session",
             )
         ]
-    return [Finding("notifications", "ok", f"queue {usage:.1%} used, {count} listeners")]
+    noun = "listening session" if count == 1 else "listening sessions"
+    return [Finding("notifications", "ok", f"queue {usage:.1%} used, {count} {noun}")]
+
+
+def check_waiting(conn: Conn, schema: str, limits: Limits) -> list[Finding]:
+    """Ready jobs nothing will claim: their queue is paused (a warning: it may be on
+    purpose), or no live worker serves it (a failure: they wait forever)."""
+    rows = conn.execute(
+        render(q.DOCTOR_QUEUES_WAITING, schema), {"stale": limits.stale_worker_seconds}
+    ).fetchall()
+    found = []
+    for queue, ready, paused, serving, live in rows:
+        jobs = f"{ready} ready job{'' if ready == 1 else 's'}"
+        if paused:
+            found.append(
+                Finding(
+                    "waiting jobs",
+                    "warn",
+                    f"queue {queue} is paused with {jobs}",
+                    f"skiplock queues resume {queue} (unless it is paused on purpose)",
+                )
+            )
+        elif not serving and not live:
+            found.append(
+                Finding(
+                    "waiting jobs",
+                    "fail",
+                    f"queue {queue} has {jobs} and no worker is alive",
+                    "start one: skiplock worker MODULE:APP",
+                )
+            )
+        elif not serving:
+            found.append(
+                Finding(
+                    "waiting jobs",
+                    "fail",
+                    f"queue {queue} has {jobs} and none of the {live} live "
+                    f"worker{'' if live == 1 else 's'} serves it",
+                    f"start a worker with --queues {queue} (without --queues a worker "
+                    "serves the queues of its app's tasks)",
+                )
+            )
+    return found or [Finding("waiting jobs", "ok", "every queue with ready jobs is served")]
 
 
 def check_workers(conn: Conn, schema: str, limits: Limits) -> list[Finding]:
@@ -254,6 +296,7 @@ CHECKS: list[Callable[[Conn, str, Limits], list[Finding]]] = [
     check_horizon,
     check_notifications,
     check_workers,
+    check_waiting,
     check_indexes,
     check_history,
     check_transactional,

@@ -43,13 +43,48 @@ SELECT pg_notification_queue_usage()
 """
 
 # Listening sessions (a listener that never reads makes the notification queue grow).
+# Which channels a session listens on is visible to that session alone
+# (pg_listening_channels), so a worker's listener is found by the application_name it
+# connects with (worker/liveness.py, session_name). A session whose last statement was a
+# LISTEN is counted too: another program's listener, or a worker's whose URL sets its own
+# application_name and that has not run anything since.
 DOCTOR_LISTENERS = """
-SELECT count(*) FILTER (WHERE query ILIKE 'LISTEN%%') AS listeners,
+WITH listening AS (
+    SELECT state, state_change FROM pg_stat_activity
+    WHERE datname = current_database()
+      AND (application_name LIKE 'skiplock listener %%' OR query ILIKE 'LISTEN%%')
+)
+SELECT count(*) AS listeners,
        max(extract(epoch FROM now() - state_change)) FILTER (
-           WHERE query ILIKE 'LISTEN%%' AND state = 'idle in transaction')::float8
-           AS stuck_seconds
-FROM pg_stat_activity
-WHERE datname = current_database()
+           WHERE state = 'idle in transaction')::float8 AS stuck_seconds
+FROM listening
+"""
+
+# Queues with ready jobs, whether each is paused, and how many live workers serve it. A
+# worker is live while one of its sessions holds the shared advisory lock on its key
+# (maintenance.WORKER_LOCK; pg_locks shows a bigint key as its high and low 32 bits), or,
+# for a lease-only worker, while it checks in. A registration alone proves nothing: a
+# killed worker's row stays until a leader's rescuer removes it, and with every worker
+# dead there is no leader.
+DOCTOR_QUEUES_WAITING = """
+WITH ready AS (
+    SELECT queue, count(*) AS ready FROM {jobs} WHERE state = 'available' GROUP BY queue
+), live AS (
+    SELECT w.queues FROM {workers} AS w
+    WHERE CASE WHEN w.holds_lock THEN EXISTS (
+        SELECT 1 FROM pg_locks AS l
+        WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+          AND l.classid::bigint = (hashtextextended(w.id::text, 0) >> 32) & 4294967295
+          AND l.objid::bigint = hashtextextended(w.id::text, 0) & 4294967295)
+    ELSE w.last_seen_at > now() - %(stale)s * interval '1 second' END
+)
+SELECT r.queue, r.ready, coalesce(q.paused, false) AS paused,
+       (SELECT count(*) FROM live WHERE r.queue = ANY(live.queues)) AS serving,
+       (SELECT count(*) FROM live) AS live_workers
+FROM ready AS r
+LEFT JOIN {queues} AS q ON q.name = r.queue
+ORDER BY r.queue
 """
 
 DOCTOR_STALE_WORKERS = """
