@@ -75,9 +75,12 @@ def test_migrate_a_fresh_schema_step_by_step(database_url: str, scratch_schema: 
     assert status.splitlines() == [f"{name}  pending" for name in names]
     assert "CREATE TABLE jobs" in preview
     assert f"SET LOCAL search_path TO {scratch_schema};" in preview
-    assert first.splitlines() == [f"applied {names[0]}"]
-    assert rest.splitlines() == [f"applied {name}" for name in names[1:]]
-    assert again.strip() == f"schema {scratch_schema!r} is up to date"
+    assert first.splitlines()[1:-1] == [f"  applied {names[0]}"]
+    assert rest.splitlines()[1:-1] == [f"  applied {name}" for name in names[1:]]
+    assert again.strip().endswith(
+        f"schema {scratch_schema!r}: up to date, at version "
+        f"{migrations[-1].version:04d} (the latest)"
+    )
     skiplock.App(database_url, schema=scratch_schema).check_schema()
 
 
@@ -114,7 +117,7 @@ def test_jobs_show_prints_one_job_with_every_error(app: skiplock.App, make_job: 
     ]
     job_id = make_job(task="sync", args={"account": 9}, state="dead", attempts=2, errors=errors)
 
-    shown = json.loads(ok(run_cli(app.database_url, "jobs", "show", str(job_id))))
+    shown = json.loads(ok(run_cli(app.database_url, "jobs", "show", str(job_id), "--json")))
 
     assert shown["id"] == job_id
     assert shown["state"] == "dead"

@@ -192,8 +192,8 @@ def test_show_a_live_and_a_finished_job(ops: Ops, run_cli: Cli) -> None:
     live = job_in(ops, "dead", queue="mail", task="send")
     (finished,) = ops.history(queue="mail", task="send", finished_at=-10)
 
-    shown = json.loads(run_cli("jobs", "show", str(live)).out)
-    done = json.loads(run_cli("jobs", "show", str(finished)).out)
+    shown = json.loads(run_cli("jobs", "show", str(live), "--json").out)
+    done = json.loads(run_cli("jobs", "show", str(finished), "--json").out)
 
     assert (shown["id"], shown["state"], shown["queue"], shown["task"]) == (
         live,
@@ -358,16 +358,21 @@ def test_client_bulk_functions_count_what_they_changed(ops: Ops) -> None:
 # -- queues ----------------------------------------------------------------------------
 
 
+def listed_states(out: str) -> dict[str, str]:
+    """``queues list``: each queue's state column."""
+    return {line.split()[0]: line.split()[1] for line in out.splitlines()[1:]}
+
+
 def test_pause_resume_and_list_queues(ops: Ops, run_cli: Cli) -> None:
-    assert run_cli("queues", "list").out == "paused: none\n"
+    assert run_cli("queues", "list").out.startswith("no queues yet")
 
     assert run_cli("queues", "pause", "mail").out == "queue mail paused: no new claims\n"
     assert run_cli("queues", "pause", "sms").out == "queue sms paused: no new claims\n"
     assert run_cli("queues", "pause", "mail").code == 0  # pausing twice is fine
-    assert run_cli("queues", "list").out == "paused: mail, sms\n"
+    assert listed_states(run_cli("queues", "list").out) == {"mail": "paused", "sms": "paused"}
 
     assert run_cli("queues", "resume", "mail").out == "queue mail resumed\n"
-    assert run_cli("queues", "list").out == "paused: sms\n"
+    assert listed_states(run_cli("queues", "list").out) == {"mail": "active", "sms": "paused"}
     with ops.connect() as conn:
         assert client.paused_queues(conn, ops.schema) == ["sms"]
 

@@ -182,6 +182,7 @@ QUEUE_KEYS = {
     "completed_last_minute",
     "failed_last_minute",
     "workers",
+    "paused",
 }
 WORKER_KEYS = {
     "id",
@@ -205,7 +206,7 @@ def test_status_json_shape(ops: Ops, run_cli: Cli) -> None:
     assert result.code == 0
     assert result.err == ""
     document = json.loads(result.out)
-    assert set(document) == {"queues", "workers", "alerts"}
+    assert set(document) == {"queues", "workers", "alerts", "notes"}
     assert document["alerts"] == []
     assert [q["queue"] for q in document["queues"]] == ["audit", "mail", "sms"]
     assert all(set(q) == QUEUE_KEYS for q in document["queues"])
@@ -355,7 +356,7 @@ def test_queue_thresholds_are_exceeded_not_reached(
 
 def test_min_workers() -> None:
     assert alerts([], workers=2, min_workers=2) == []
-    assert alerts([], workers=1, min_workers=2) == ["1 workers registered (fewer than 2)"]
+    assert alerts([], workers=1, min_workers=2) == ["1 worker registered (fewer than 2)"]
 
 
 def test_every_queue_and_threshold_is_reported_in_order() -> None:
