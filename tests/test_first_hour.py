@@ -274,7 +274,10 @@ def test_readme_tutorial_enqueues_into_an_orders_table_it_creates(
     (tmp_path / "myapp" / "tasks.py").write_text(task)
     (tmp_path / "enqueue.py").write_text(enqueue)
     schema = "readme_tutorial"
-    env = {"SKIPLOCK_DATABASE_URL": database_url, "SKIPLOCK_SCHEMA": schema}
+    # The tutorial's own table lands in that schema too (first on the search path), so
+    # that dropping the schema leaves the shared test database as it was.
+    url = psycopg.conninfo.make_conninfo(database_url, options=f"-csearch_path={schema}")
+    env = {"SKIPLOCK_DATABASE_URL": url, "SKIPLOCK_SCHEMA": schema}
     try:
         migrated = skiplock_command("migrate", env=env)
         assert migrated.returncode == 0, migrated.stderr
@@ -284,12 +287,14 @@ def test_readme_tutorial_enqueues_into_an_orders_table_it_creates(
             env={**os.environ, **env},
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=100,
             check=False,
         )
         assert ran.returncode == 0, ran.stderr
         with psycopg.connect(database_url) as conn:
-            order = conn.execute("SELECT id FROM orders").fetchall()
+            order = conn.execute(
+                sql.SQL("SELECT id FROM {}").format(sql.Identifier(schema, "orders"))
+            ).fetchall()
             jobs = conn.execute(
                 sql.SQL("SELECT task, args FROM {}").format(sql.Identifier(schema, "jobs"))
             ).fetchall()
@@ -297,5 +302,4 @@ def test_readme_tutorial_enqueues_into_an_orders_table_it_creates(
         assert jobs == [("myapp.tasks.send_receipt", {"order_id": 1234})]
     finally:
         with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute("DROP TABLE IF EXISTS orders")
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
