@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar, overload
 
 import psycopg
@@ -21,6 +22,7 @@ from skiplock.migrate import Migration, check_schema_ready, migrate
 from skiplock.periodic import Periodic
 from skiplock.results import JobRef, wait_for_result, wait_for_result_async
 from skiplock.tasks import MAX_TASK_NAME, JobSpec, Task, check_name, parse_task_options
+from skiplock.tracing import Send, Tracing
 
 R = TypeVar("R")
 
@@ -51,6 +53,8 @@ class App:
         self._embedded = embedded
         self.tasks: dict[str, Task[Any]] = {}
         self.periodics: dict[str, Periodic] = {}
+        # Spans for enqueues and attempts; None costs nothing (skiplock.contrib.otel).
+        self.tracing: Tracing | None = None
 
     def configure(self, *, database_url: str | None = None, schema: str | None = None) -> None:
         """Point an already-defined App elsewhere (the CLI's --database-url and --schema)."""
@@ -149,20 +153,42 @@ class App:
 
     def enqueue_many(self, conn: psycopg.Connection[Any], jobs: Sequence[JobSpec]) -> list[int]:
         """Insert many jobs at COPY speed in ``conn``'s transaction. Returns their ids."""
-        return client.insert_jobs(conn, self.schema, jobs)
+        if self.tracing is None or not jobs:
+            return client.insert_jobs(conn, self.schema, jobs)
+        with _send(self.tracing, jobs) as send:
+            ids = client.insert_jobs(conn, self.schema, jobs, meta=send.meta_json)
+            send.sent(ids)
+            return ids
 
     async def enqueue_many_async(
         self, conn: psycopg.AsyncConnection[Any], jobs: Sequence[JobSpec]
     ) -> list[int]:
-        return await client.insert_jobs_async(conn, self.schema, jobs)
+        if self.tracing is None or not jobs:
+            return await client.insert_jobs_async(conn, self.schema, jobs)
+        with _send(self.tracing, jobs) as send:
+            ids = await client.insert_jobs_async(conn, self.schema, jobs, meta=send.meta_json)
+            send.sent(ids)
+            return ids
 
     def enqueue_spec(self, conn: psycopg.Connection[Any], spec: JobSpec) -> JobRef:
         """Insert one validated job in ``conn``'s transaction (what ``Task.enqueue`` calls)."""
-        job_id, inserted = client.insert_job(conn, self.schema, spec)
+        if self.tracing is None:
+            job_id, inserted = client.insert_job(conn, self.schema, spec)
+            return JobRef(job_id, self, duplicate=not inserted)
+        with self.tracing.send(spec.queue, spec.task, 1, batch=False) as send:
+            job_id, inserted = client.insert_job(conn, self.schema, spec, meta=send.meta_json)
+            send.sent([job_id], duplicate=not inserted)
         return JobRef(job_id, self, duplicate=not inserted)
 
     async def enqueue_spec_async(self, conn: psycopg.AsyncConnection[Any], spec: JobSpec) -> JobRef:
-        job_id, inserted = await client.insert_job_async(conn, self.schema, spec)
+        if self.tracing is None:
+            job_id, inserted = await client.insert_job_async(conn, self.schema, spec)
+            return JobRef(job_id, self, duplicate=not inserted)
+        with self.tracing.send(spec.queue, spec.task, 1, batch=False) as send:
+            job_id, inserted = await client.insert_job_async(
+                conn, self.schema, spec, meta=send.meta_json
+            )
+            send.sent([job_id], duplicate=not inserted)
         return JobRef(job_id, self, duplicate=not inserted)
 
     def result(self, job_id: int, timeout: float | None = None) -> Any:
@@ -171,3 +197,15 @@ class App:
 
     async def result_async(self, job_id: int, timeout: float | None = None) -> Any:
         return await wait_for_result_async(self, job_id, timeout)
+
+
+def _send(tracing: Tracing, jobs: Sequence[JobSpec]) -> AbstractContextManager[Send]:
+    """The send span of a bulk enqueue: its queue and task named when all jobs share them."""
+    queues = {spec.queue for spec in jobs}
+    tasks = {spec.task for spec in jobs}
+    return tracing.send(
+        queues.pop() if len(queues) == 1 else None,
+        tasks.pop() if len(tasks) == 1 else None,
+        len(jobs),
+        batch=True,
+    )

@@ -1040,6 +1040,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--min-workers", type=int, metavar="N", help="alert when < N workers")
     p.set_defaults(func=cmd_status)
+
+    from skiplock import metrics_command  # noqa: PLC0415 - `skiplock metrics` (issue 13)
+
+    metrics_command.add_parser(sub)
     return parser
 
 

@@ -65,7 +65,7 @@ def _needs_schema_async(
     return wrapper
 
 
-def _one_params(spec: JobSpec) -> dict[str, Any]:
+def _one_params(spec: JobSpec, meta: str | None = None) -> dict[str, Any]:
     return {
         "queue": spec.queue,
         "task": spec.task,
@@ -78,6 +78,7 @@ def _one_params(spec: JobSpec) -> dict[str, Any]:
         "key_limit": spec.key_limit,
         "key_rate": spec.key_rate[0] if spec.key_rate else None,
         "key_period": spec.key_rate[1] if spec.key_rate else None,
+        "meta": meta,
     }
 
 
@@ -100,10 +101,17 @@ def _copy_field(value: object) -> str:
 
 
 def _copy_chunks(
-    specs: Sequence[JobSpec], ids: Sequence[int], now: datetime, *, keyed: bool = False
+    specs: Sequence[JobSpec],
+    ids: Sequence[int],
+    now: datetime,
+    *,
+    keyed: bool = False,
+    meta: str | None = None,
 ) -> Iterator[str]:
     """COPY text for JOB_COPY_IN (JOB_COPY_IN_KEYED when ``keyed``), COPY_CHUNK_ROWS rows
-    at a time: run_at and state decided against the transaction's now()."""
+    at a time: run_at and state decided against the transaction's now(). With ``meta``,
+    every row ends with it (the _META statements)."""
+    meta_field = None if meta is None else _copy_field(meta)
     # Queue and task names and due times repeat across a batch: each is formatted once.
     names: dict[object, str] = {}
     due: dict[tuple[datetime | None, float], tuple[str, bool]] = {}
@@ -137,6 +145,8 @@ def _copy_chunks(
                 f"{line}\t{_copy_field(spec.ordering_key)}\t{spec.key_limit}\t"
                 f"{_copy_field(rate)}\t{_copy_field(period)}"
             )
+        if meta_field is not None:
+            line = f"{line}\t{meta_field}"
         lines.append(line)
         if len(lines) == COPY_CHUNK_ROWS:
             lines.append("")
@@ -147,15 +157,21 @@ def _copy_chunks(
         yield "\n".join(lines)
 
 
+def _copy_statement(keyed: bool, meta: str | None) -> str:
+    if meta is None:
+        return enqueue.JOB_COPY_IN_KEYED if keyed else enqueue.JOB_COPY_IN
+    return enqueue.JOB_COPY_IN_KEYED_META if keyed else enqueue.JOB_COPY_IN_META
+
+
 def _reserve_params(schema: str, count: int) -> dict[str, Any]:
     return {"table": f'"{schema}".jobs', "count": count}
 
 
-def _unique_params(schema: str, spec: JobSpec) -> dict[str, Any]:
+def _unique_params(schema: str, spec: JobSpec, meta: str | None = None) -> dict[str, Any]:
     active = spec.unique_key if spec.unique_scope == "active" else None
     queued = spec.unique_key if spec.unique_scope == "queued" else None
     return {
-        **_one_params(spec),
+        **_one_params(spec, meta),
         "unique_key": active,
         "unique_queued_key": queued,
         "id": None,
@@ -171,11 +187,11 @@ def _window_params(schema: str, spec: JobSpec) -> dict[str, Any]:
     }
 
 
-def _insert_windowed(conn: Conn, schema: str, spec: JobSpec) -> tuple[int, bool]:
+def _insert_windowed(conn: Conn, schema: str, spec: JobSpec, meta: str | None) -> tuple[int, bool]:
     """A unique job with a time window: the window's key first (a plain read, so that a
     duplicate takes no lock), then the job under its scope's index."""
     window = _window_params(schema, spec)
-    params = _unique_params(schema, spec)
+    params = _unique_params(schema, spec, meta)
     while True:
         row = conn.execute(render(enqueue.JOB_FIND_WINDOW, schema), window).fetchone()
         if row is not None:
@@ -195,9 +211,11 @@ def _insert_windowed(conn: Conn, schema: str, spec: JobSpec) -> tuple[int, bool]
             return int(row[0]), False
 
 
-async def _insert_windowed_async(conn: AsyncConn, schema: str, spec: JobSpec) -> tuple[int, bool]:
+async def _insert_windowed_async(
+    conn: AsyncConn, schema: str, spec: JobSpec, meta: str | None
+) -> tuple[int, bool]:
     window = _window_params(schema, spec)
-    params = _unique_params(schema, spec)
+    params = _unique_params(schema, spec, meta)
     while True:
         cur = await conn.execute(render(enqueue.JOB_FIND_WINDOW, schema), window)
         row = await cur.fetchone()
@@ -221,16 +239,19 @@ async def _insert_windowed_async(conn: AsyncConn, schema: str, spec: JobSpec) ->
 
 
 @_needs_schema
-def insert_job(conn: Conn, schema: str, spec: JobSpec) -> tuple[int, bool]:
+def insert_job(
+    conn: Conn, schema: str, spec: JobSpec, *, meta: str | None = None
+) -> tuple[int, bool]:
     """Insert one job; returns (id, inserted). Not inserted: a live job holds its unique
-    key (or its window has not passed), and the id is that job's."""
+    key (or its window has not passed), and the id is that job's. ``meta``: JSON object
+    text for the job's meta column (a trace context; skiplock/tracing.py)."""
     if spec.unique_key is None:
-        row = conn.execute(render(enqueue.JOB_INSERT, schema), _one_params(spec)).fetchone()
+        row = conn.execute(render(enqueue.JOB_INSERT, schema), _one_params(spec, meta)).fetchone()
         assert row is not None
         return int(row[0]), True
     if spec.unique_window is not None:
-        return _insert_windowed(conn, schema, spec)
-    params = _unique_params(schema, spec)
+        return _insert_windowed(conn, schema, spec, meta)
+    params = _unique_params(schema, spec, meta)
     while True:
         row = conn.execute(render(enqueue.JOB_INSERT_UNIQUE, schema), params).fetchone()
         if row is not None:
@@ -242,15 +263,17 @@ def insert_job(conn: Conn, schema: str, spec: JobSpec) -> tuple[int, bool]:
 
 
 @_needs_schema_async
-async def insert_job_async(conn: AsyncConn, schema: str, spec: JobSpec) -> tuple[int, bool]:
+async def insert_job_async(
+    conn: AsyncConn, schema: str, spec: JobSpec, *, meta: str | None = None
+) -> tuple[int, bool]:
     if spec.unique_key is None:
-        cur = await conn.execute(render(enqueue.JOB_INSERT, schema), _one_params(spec))
+        cur = await conn.execute(render(enqueue.JOB_INSERT, schema), _one_params(spec, meta))
         row = await cur.fetchone()
         assert row is not None
         return int(row[0]), True
     if spec.unique_window is not None:
-        return await _insert_windowed_async(conn, schema, spec)
-    params = _unique_params(schema, spec)
+        return await _insert_windowed_async(conn, schema, spec, meta)
+    params = _unique_params(schema, spec, meta)
     while True:
         cur = await conn.execute(render(enqueue.JOB_INSERT_UNIQUE, schema), params)
         row = await cur.fetchone()
@@ -262,7 +285,7 @@ async def insert_job_async(conn: AsyncConn, schema: str, spec: JobSpec) -> tuple
             return int(row[0]), False
 
 
-def _many_unique_params(specs: Sequence[JobSpec]) -> dict[str, Any]:
+def _many_unique_params(specs: Sequence[JobSpec], meta: str | None = None) -> dict[str, Any]:
     return {
         "queues": [s.queue for s in specs],
         "tasks": [s.task for s in specs],
@@ -277,6 +300,7 @@ def _many_unique_params(specs: Sequence[JobSpec]) -> dict[str, Any]:
         "key_limits": [s.key_limit for s in specs],
         "key_rates": [s.key_rate[0] if s.key_rate else None for s in specs],
         "key_periods": [s.key_rate[1] if s.key_rate else None for s in specs],
+        "meta": meta,
     }
 
 
@@ -328,7 +352,9 @@ def _unresolved(specs: Sequence[JobSpec], by_key: dict[UniqueKey, int]) -> list[
     return list(again.values())
 
 
-def _insert_unique_many(conn: Conn, schema: str, specs: Sequence[JobSpec]) -> list[int]:
+def _insert_unique_many(
+    conn: Conn, schema: str, specs: Sequence[JobSpec], meta: str | None
+) -> list[int]:
     """Unique jobs (and any others in the same batch) in one INSERT ... ON CONFLICT; the
     ids of duplicates are their holders'. A holder that left its scope before it was looked
     up frees its key: its jobs are inserted again, as insert_job does. Order follows
@@ -338,7 +364,7 @@ def _insert_unique_many(conn: Conn, schema: str, specs: Sequence[JobSpec]) -> li
     batch: Sequence[JobSpec] = specs
     while batch:
         rows = conn.execute(
-            render(enqueue.JOB_INSERT_MANY_UNIQUE, schema), _many_unique_params(batch)
+            render(enqueue.JOB_INSERT_MANY_UNIQUE, schema), _many_unique_params(batch, meta)
         ).fetchall()
         inserted, new_plain, missing = _inserted_by_key(batch, rows)
         by_key.update(inserted)
@@ -354,14 +380,14 @@ def _insert_unique_many(conn: Conn, schema: str, specs: Sequence[JobSpec]) -> li
 
 
 async def _insert_unique_many_async(
-    conn: AsyncConn, schema: str, specs: Sequence[JobSpec]
+    conn: AsyncConn, schema: str, specs: Sequence[JobSpec], meta: str | None
 ) -> list[int]:
     by_key: dict[UniqueKey, int] = {}
     plain: list[int] = []
     batch: Sequence[JobSpec] = specs
     while batch:
         cur = await conn.execute(
-            render(enqueue.JOB_INSERT_MANY_UNIQUE, schema), _many_unique_params(batch)
+            render(enqueue.JOB_INSERT_MANY_UNIQUE, schema), _many_unique_params(batch, meta)
         )
         inserted, new_plain, missing = _inserted_by_key(batch, await cur.fetchall())
         by_key.update(inserted)
@@ -377,37 +403,42 @@ async def _insert_unique_many_async(
 
 
 @_needs_schema
-def insert_jobs(conn: Conn, schema: str, specs: Sequence[JobSpec]) -> list[int]:
+def insert_jobs(
+    conn: Conn, schema: str, specs: Sequence[JobSpec], *, meta: str | None = None
+) -> list[int]:
     """Reserve ids, then COPY: two round trips for any number of jobs. A batch with unique
-    jobs goes through INSERT ... ON CONFLICT instead (COPY cannot skip duplicates)."""
+    jobs goes through INSERT ... ON CONFLICT instead (COPY cannot skip duplicates).
+    ``meta`` is stored with every job of the batch."""
     if not specs:
         return []
     if any(s.unique_window is not None for s in specs):
         # Windows are taken key by key: one round trip or more per job.
-        return [insert_job(conn, schema, spec)[0] for spec in specs]
+        return [insert_job(conn, schema, spec, meta=meta)[0] for spec in specs]
     if any(s.unique_key for s in specs):
-        return _insert_unique_many(conn, schema, specs)
+        return _insert_unique_many(conn, schema, specs, meta)
     row = conn.execute(
         render(enqueue.JOB_IDS_RESERVE, schema), _reserve_params(schema, len(specs))
     ).fetchone()
     assert row is not None
     now, ids = row
     keyed = any(s.ordering_key for s in specs)
-    statement = enqueue.JOB_COPY_IN_KEYED if keyed else enqueue.JOB_COPY_IN
+    statement = _copy_statement(keyed, meta)
     with conn.cursor().copy(render(statement, schema)) as copy:
-        for chunk in _copy_chunks(specs, ids, now, keyed=keyed):
+        for chunk in _copy_chunks(specs, ids, now, keyed=keyed, meta=meta):
             copy.write(chunk)
     return list(ids)
 
 
 @_needs_schema_async
-async def insert_jobs_async(conn: AsyncConn, schema: str, specs: Sequence[JobSpec]) -> list[int]:
+async def insert_jobs_async(
+    conn: AsyncConn, schema: str, specs: Sequence[JobSpec], *, meta: str | None = None
+) -> list[int]:
     if not specs:
         return []
     if any(s.unique_window is not None for s in specs):
-        return [(await insert_job_async(conn, schema, spec))[0] for spec in specs]
+        return [(await insert_job_async(conn, schema, spec, meta=meta))[0] for spec in specs]
     if any(s.unique_key for s in specs):
-        return await _insert_unique_many_async(conn, schema, specs)
+        return await _insert_unique_many_async(conn, schema, specs, meta)
     cur = await conn.execute(
         render(enqueue.JOB_IDS_RESERVE, schema), _reserve_params(schema, len(specs))
     )
@@ -415,9 +446,9 @@ async def insert_jobs_async(conn: AsyncConn, schema: str, specs: Sequence[JobSpe
     assert row is not None
     now, ids = row
     keyed = any(s.ordering_key for s in specs)
-    statement = enqueue.JOB_COPY_IN_KEYED if keyed else enqueue.JOB_COPY_IN
+    statement = _copy_statement(keyed, meta)
     async with conn.cursor().copy(render(statement, schema)) as copy:
-        for chunk in _copy_chunks(specs, ids, now, keyed=keyed):
+        for chunk in _copy_chunks(specs, ids, now, keyed=keyed, meta=meta):
             await copy.write(chunk)
     return list(ids)
 

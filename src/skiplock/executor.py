@@ -76,8 +76,9 @@ class ArgumentsError(Exception):
 
 
 def claimed_from_row(row: Sequence[Any]) -> ClaimedJob:
-    """The claimed row, its arguments decoded here so a bad row fails alone."""
-    job_id, queue, task, args_text, priority, run_at, attempts, max_attempts, created = row
+    """The claimed row, its arguments decoded here so a bad row fails alone. A tenth
+    column, when there is one, is the job's meta, left as text for a tracer to read."""
+    job_id, queue, task, args_text, priority, run_at, attempts, max_attempts, created = row[:9]
     args: dict[str, Any] = {}
     problem = None
     try:
@@ -89,7 +90,17 @@ def claimed_from_row(row: Sequence[Any]) -> ClaimedJob:
     except (ValueError, RecursionError) as exc:
         problem = f"cannot decode the job's arguments: {str(exc)[:200]}"
     return ClaimedJob(
-        job_id, queue, task, args, priority, run_at, attempts, max_attempts, created, problem
+        job_id,
+        queue,
+        task,
+        args,
+        priority,
+        run_at,
+        attempts,
+        max_attempts,
+        created,
+        problem,
+        row[9] if len(row) > 9 else None,
     )
 
 

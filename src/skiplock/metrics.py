@@ -6,19 +6,30 @@ Queue depth and oldest ready age are read from the database by one statement
 (sql/metrics.py) at most once per ``refresh_seconds`` however often Prometheus scrapes;
 scrapes in between are served the figures read last. The port binds 127.0.0.1 unless told
 otherwise: the figures name queues and tasks.
+
+The figures read from the database describe the whole database, not one process: a worker
+exports them only while it is the elected leader (``queue_gauges="leader"``), so that N
+workers do not report every queue N times; ``skiplock metrics`` (metrics_command.py)
+exports them alone, from a process of its own. Every metric: docs/metrics.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import psycopg
 
 from skiplock.sql import metrics as metrics_sql
 from skiplock.sql import render
+from skiplock.tracing import error_class
+from skiplock.types import ClaimedJob
+
+# Where the figures read from the database come from (PrometheusMetrics' queue_gauges).
+QUEUE_GAUGE_MODES = ("leader", "always", "never")
 
 
 class NullMetrics:
@@ -39,8 +50,30 @@ class NullMetrics:
     def service_restarted(self, service: str) -> None:
         return None
 
+    def job_started(self, job: ClaimedJob, attempt: int, ran: float = 0.0) -> None:
+        """An attempt started (``ran`` seconds ago, when told after the fact)."""
+        return None
+
+    def job_failed(self, queue: str, task: str, error: Mapping[str, Any]) -> None:
+        """An attempt failed (retried or dead); ``error`` is its stored error record."""
+        return None
+
+    def worker_started(
+        self, busy: Callable[[], int], slots: int, leads: Callable[[], bool]
+    ) -> None:
+        """The worker runs: ``busy`` counts its slots running a job now and ``leads``
+        says whether it is the elected leader; both are called from the scrape's thread."""
+        return None
+
+    def worker_stopped(self) -> None:
+        return None
+
 
 class PrometheusMetrics(NullMetrics):
+    """The worker's figures in a registry of their own (``registry``), plus the database's
+    (QueueCollector) as ``queue_gauges`` says: ``leader`` (while this process runs the
+    elected leader, or runs no worker), ``always`` or ``never``."""
+
     def __init__(
         self,
         database_url: str,
@@ -48,9 +81,14 @@ class PrometheusMetrics(NullMetrics):
         registry: Any = None,
         *,
         refresh_seconds: float = 30.0,
+        queue_gauges: str = "leader",
     ) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Histogram  # noqa: PLC0415
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: PLC0415
 
+        if queue_gauges not in QUEUE_GAUGE_MODES:
+            raise ValueError(
+                f"queue_gauges={queue_gauges!r}: choose one of {', '.join(QUEUE_GAUGE_MODES)}"
+            )
         self.registry = registry if registry is not None else CollectorRegistry()
         self._jobs = Counter(
             "skiplock_jobs",
@@ -93,8 +131,47 @@ class PrometheusMetrics(NullMetrics):
             ["service"],
             registry=self.registry,
         )
+        self._attempts = Counter(
+            "skiplock_attempts",
+            "Attempts started, by queue and task (a retry is one more)",
+            ["queue", "task"],
+            registry=self.registry,
+        )
+        self._queue_wait = Histogram(
+            "skiplock_queue_wait_seconds",
+            "From a job's due time (its run_at: enqueue, or the time it was scheduled for) "
+            "to the start of its first attempt",
+            ["queue"],
+            registry=self.registry,
+            buckets=(0.001, 0.005, 0.025, 0.1, 0.5, 1, 5, 30, 120, 600, 3600),
+        )
+        self._failures = Counter(
+            "skiplock_job_failures",
+            "Failed attempts (retried or dead), by the exception class the handler raised",
+            ["queue", "task", "error"],
+            registry=self.registry,
+        )
+        self._up = Gauge(
+            "skiplock_worker_up", "1 while this process runs a worker", registry=self.registry
+        )
+        self._slots = Gauge(
+            "skiplock_worker_slots", "Jobs this worker may run at once", registry=self.registry
+        )
+        self._busy = Gauge(
+            "skiplock_worker_busy_slots",
+            "Slots of this worker running a job at scrape time",
+            registry=self.registry,
+        )
+        self._leader = Gauge(
+            "skiplock_worker_leader",
+            "1 while this worker is the elected leader (it then exports the queue gauges)",
+            registry=self.registry,
+        )
+        self._leads: Callable[[], bool] | None = None
+        self._queue_gauges = queue_gauges
         self.queues = QueueCollector(database_url, schema, refresh_seconds)
-        self.registry.register(self.queues)
+        if queue_gauges != "never":
+            self.registry.register(_Gated(self.queues, self._exports_queues))
 
     def job_finished(self, queue: str, task: str, outcome: str, seconds: float) -> None:
         self._jobs.labels(queue, task, outcome).inc()
@@ -114,6 +191,40 @@ class PrometheusMetrics(NullMetrics):
     def service_restarted(self, service: str) -> None:
         self._restarts.labels(service).inc()
 
+    def job_started(self, job: ClaimedJob, attempt: int, ran: float = 0.0) -> None:
+        self._attempts.labels(job.queue, job.task).inc()
+        if attempt == 1:
+            # Only first attempts: a retry's wait would count its back-off, chosen on
+            # purpose, as time in line. Clocks of worker and database may differ a little.
+            wait = time.time() - ran - job.run_at.timestamp()
+            self._queue_wait.labels(job.queue).observe(max(wait, 0.0))
+
+    def job_failed(self, queue: str, task: str, error: Mapping[str, Any]) -> None:
+        self._failures.labels(queue, task, error_class(error)).inc()
+
+    def worker_started(
+        self, busy: Callable[[], int], slots: int, leads: Callable[[], bool]
+    ) -> None:
+        self._up.set(1)
+        self._slots.set(slots)
+        self._busy.set_function(busy)
+        self._leader.set_function(lambda: 1 if leads() else 0)
+        self._leads = leads
+
+    def worker_stopped(self) -> None:
+        self._leads = None
+        self._up.set(0)
+        self._busy.set_function(lambda: 0)
+        self._leader.set_function(lambda: 0)
+
+    def _exports_queues(self) -> bool:
+        """With ``leader``: a process that runs no worker (yet, or any more) exports
+        them too, so that a PrometheusMetrics of its own reads the database."""
+        if self._queue_gauges == "always":
+            return True
+        leads = self._leads
+        return leads is None or leads()
+
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         from prometheus_client import start_http_server  # noqa: PLC0415
 
@@ -124,16 +235,37 @@ class PrometheusMetrics(NullMetrics):
 GAUGE_STATES = ("blocked", "available", "scheduled", "running", "retryable", "dead")
 
 
+class _Gated:
+    """A collector that yields only while ``when()`` says so (the queue gauges of a
+    worker that is not the leader), without reading anything otherwise."""
+
+    def __init__(self, collector: QueueCollector, when: Callable[[], bool]) -> None:
+        self._collector = collector
+        self._when = when
+
+    def collect(self) -> Iterator[Any]:
+        if self._when():
+            yield from self._collector.collect()
+
+    def describe(self) -> list[Any]:
+        return []  # nothing to check at registration: the names are fixed
+
+
 class QueueCollector:
-    """Per-queue figures from QUEUE_GAUGES, read at most once per ``refresh_seconds``."""
+    """Per-queue figures from QUEUE_GAUGES, and the database-wide ones of
+    ENQUEUED_AND_WORKERS, read at most once per ``refresh_seconds``."""
 
     def __init__(self, database_url: str, schema: str, refresh_seconds: float = 30.0) -> None:
         self._url = database_url
         self._sql = render(metrics_sql.QUEUE_GAUGES, schema)
+        self._totals_sql = render(metrics_sql.ENQUEUED_AND_WORKERS, schema)
+        self._table = f'"{schema}".jobs'
         self._refresh_seconds = refresh_seconds
         self._lock = threading.Lock()
         self._read_at: float | None = None
         self._rows: list[tuple[str, str, int, float | None]] = []
+        # (ids drawn, workers registered, their slots), or None when the read failed.
+        self._totals: tuple[int | None, int, int] | None = None
         self.refreshes = 0  # statements run, for tests and curious operators
 
     def _current(self) -> list[tuple[str, str, int, float | None]]:
@@ -144,6 +276,7 @@ class QueueCollector:
             if self._read_at is None or now - self._read_at >= self._refresh_seconds:
                 self._read_at = now
                 self.refreshes += 1
+                self._rows, self._totals = [], None
                 try:
                     with psycopg.connect(
                         self._url,
@@ -152,12 +285,17 @@ class QueueCollector:
                         options=metrics_sql.GAUGES_STATEMENT_TIMEOUT,
                     ) as conn:
                         self._rows = conn.execute(self._sql).fetchall()
+                        # Apart: a role that may not read the sequence still gets the rest.
+                        with contextlib.suppress(psycopg.Error):
+                            row = conn.execute(self._totals_sql, {"table": self._table}).fetchone()
+                            if row is not None:
+                                self._totals = (row[0], int(row[1]), int(row[2]))
                 except psycopg.Error:
-                    self._rows = []
+                    pass
             return self._rows
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily  # noqa: PLC0415
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
 
         depth = GaugeMetricFamily(
             "skiplock_queue_jobs", "Live jobs per queue and state", labels=["queue", "state"]
@@ -178,3 +316,18 @@ class QueueCollector:
             oldest.add_metric([queue], ages[queue])
         yield depth
         yield oldest
+        totals = self._totals
+        if totals is not None:
+            drawn, workers, slots = totals
+            yield CounterMetricFamily(
+                "skiplock_enqueued_jobs",
+                "Job ids handed out by the jobs table's sequence: every job enqueued, by "
+                "any client, plus enqueues rolled back and unique duplicates (an upper bound)",
+                value=drawn or 0,
+            )
+            yield GaugeMetricFamily(
+                "skiplock_workers", "Worker processes registered (alive)", value=workers
+            )
+            yield GaugeMetricFamily(
+                "skiplock_workers_slots", "Slots of the registered workers, summed", value=slots
+            )

@@ -74,10 +74,10 @@ WITH gone AS (
 )
 INSERT INTO {history} (id, queue, task, args, state, priority, attempts, max_attempts, errors,
                        result, unique_key, ordering_key, created_at, attempted_at, progress,
-                       started_at, worker_ids)
+                       started_at, worker_ids, meta)
 SELECT id, queue, task, args, 'cancelled', priority, attempts, max_attempts, errors,
        NULL, unique_key, ordering_key, created_at, attempted_at, progress, started_at,
-       worker_ids
+       worker_ids, meta
 FROM gone
 RETURNING id
 """

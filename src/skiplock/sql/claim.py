@@ -26,7 +26,9 @@ WORKER_SESSION_OPTIONS = "-c synchronous_commit=off -c enable_seqscan=off"
 # slot, and rescue gives back the attempt of one that never started (decision 015).
 # Arguments come back as text and timestamps clamped to what Python's datetime can hold,
 # so that a row written by hand that Python cannot decode fails as one job
-# (executor.claimed_from_row) instead of failing the whole claim.
+# (executor.claimed_from_row) instead of failing the whole claim. The meta (0018) comes
+# back as text too, decoded only by a tracer (skiplock/tracing.py); it is NULL unless one
+# stored something.
 JOB_CLAIM_BATCH = """
 WITH picked AS (
     SELECT id
@@ -56,7 +58,7 @@ WHERE j.id = ANY(ARRAY(SELECT id FROM picked))
 RETURNING j.id, j.queue, j.task, j.args::text, j.priority,
           least(greatest(j.run_at, '0001-01-02'), '9999-12-30'),
           j.attempts, j.max_attempts,
-          least(greatest(j.created_at, '0001-01-02'), '9999-12-30')
+          least(greatest(j.created_at, '0001-01-02'), '9999-12-30'), j.meta::text
 """
 
 # The same claim resumed after a position: the row comparison is an index condition, so
@@ -125,7 +127,7 @@ LIMIT 1
 JOB_LOCK_BATCH = """
 SELECT id, queue, task, args::text, priority,
        least(greatest(run_at, '0001-01-02'), '9999-12-30'), attempts, max_attempts,
-       least(greatest(created_at, '0001-01-02'), '9999-12-30')
+       least(greatest(created_at, '0001-01-02'), '9999-12-30'), meta::text
 FROM {jobs}
 WHERE queue = %(queue)s
   AND state = 'available'

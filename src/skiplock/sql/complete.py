@@ -24,7 +24,7 @@ from skiplock.sql.maintenance import NOTIFY_MOVED
 
 _HISTORY_COLUMNS = """id, queue, task, args, state, priority, attempts, max_attempts, errors,
                     result, unique_key, ordering_key, created_at, attempted_at, progress,
-                    started_at, worker_ids"""
+                    started_at, worker_ids, meta"""
 
 JOB_COMPLETE_MANY_IF_LEASED = (
     """
@@ -41,7 +41,7 @@ INSERT INTO {history} ("""
     + """)
 SELECT id, queue, task, args, 'completed', priority, attempts, max_attempts, errors,
        result::jsonb, unique_key, ordering_key, created_at, attempted_at,
-       coalesce(last_progress::jsonb, progress), started_at, worker_ids
+       coalesce(last_progress::jsonb, progress), started_at, worker_ids, meta
 FROM done
 RETURNING id
 """
@@ -86,7 +86,7 @@ SELECT id, queue, task, args, 'cancelled', priority, attempts, max_attempts,
            'attempt', attempts, 'at', now(), 'type', 'Cancelled',
            'message', 'cancelled while running', 'traceback', NULL)),
        NULL, unique_key, ordering_key, created_at, attempted_at,
-       coalesce(last_progress::jsonb, progress), started_at, worker_ids
+       coalesce(last_progress::jsonb, progress), started_at, worker_ids, meta
 FROM done
 RETURNING id
 """
@@ -157,7 +157,7 @@ WITH cancelled AS (
                'message', 'cancelled; its worker stopped before the job finished',
                'traceback', NULL)),
            NULL, unique_key, ordering_key, created_at, attempted_at, progress, started_at,
-           worker_ids
+           worker_ids, meta
     FROM cancelled
     RETURNING id
 ), moved AS (
@@ -269,7 +269,7 @@ INSERT INTO {history} ("""
     + """)
 SELECT id, queue, task, args, 'completed', priority, attempts + 1, max_attempts, errors,
        %(result)s::jsonb, unique_key, ordering_key, created_at, now(), progress,
-       started_at, worker_ids
+       started_at, worker_ids, meta
 FROM done
 RETURNING id
 """

@@ -5,11 +5,12 @@
 # waits as 'blocked' until admission (sql/keys.py) makes it one or the other.
 JOB_INSERT = """
 INSERT INTO {jobs} (queue, task, args, priority, run_at, state, max_attempts, ordering_key,
-                    key_limit, key_rate, key_period)
+                    key_limit, key_rate, key_period, meta)
 SELECT %(queue)s, %(task)s, %(args)s::jsonb, %(priority)s, r,
        CASE WHEN %(ordering_key)s::text IS NOT NULL THEN 'blocked'
             WHEN r > now() THEN 'scheduled' ELSE 'available' END,
-       %(max_attempts)s, %(ordering_key)s, %(key_limit)s, %(key_rate)s, %(key_period)s
+       %(max_attempts)s, %(ordering_key)s, %(key_limit)s, %(key_rate)s, %(key_period)s,
+       %(meta)s::jsonb
 FROM (SELECT COALESCE(%(run_at)s, now() + %(delay)s * interval '1 second') AS r) AS due
 RETURNING id
 """
@@ -19,14 +20,14 @@ RETURNING id
 # waited on a concurrent holder, this statement's snapshot cannot see it.
 JOB_INSERT_UNIQUE = """
 INSERT INTO {jobs} (id, queue, task, args, priority, run_at, state, max_attempts, unique_key,
-                    unique_queued_key, ordering_key, key_limit, key_rate, key_period)
+                    unique_queued_key, ordering_key, key_limit, key_rate, key_period, meta)
 SELECT coalesce(%(id)s::bigint,
                 nextval((SELECT pg_get_serial_sequence(%(table)s, 'id'))::regclass)),
        %(queue)s, %(task)s, %(args)s::jsonb, %(priority)s, r,
        CASE WHEN %(ordering_key)s::text IS NOT NULL THEN 'blocked'
             WHEN r > now() THEN 'scheduled' ELSE 'available' END,
        %(max_attempts)s, %(unique_key)s, %(unique_queued_key)s, %(ordering_key)s, %(key_limit)s,
-       %(key_rate)s, %(key_period)s
+       %(key_rate)s, %(key_period)s, %(meta)s::jsonb
 FROM (SELECT COALESCE(%(run_at)s, now() + %(delay)s * interval '1 second') AS r) AS due
 ON CONFLICT DO NOTHING
 RETURNING id
@@ -68,11 +69,11 @@ LIMIT 1
 # the batch) insert nothing, and the caller looks their holders up by key.
 JOB_INSERT_MANY_UNIQUE = """
 INSERT INTO {jobs} (queue, task, args, priority, run_at, state, max_attempts, unique_key,
-                    unique_queued_key, ordering_key, key_limit, key_rate, key_period)
+                    unique_queued_key, ordering_key, key_limit, key_rate, key_period, meta)
 SELECT q, t, a::jsonb, p, due,
        CASE WHEN ok IS NOT NULL THEN 'blocked'
             WHEN due > now() THEN 'scheduled' ELSE 'available' END,
-       m, k, qk, ok, kl, kr, kp
+       m, k, qk, ok, kl, kr, kp, %(meta)s::jsonb
 FROM unnest(%(queues)s::text[], %(tasks)s::text[], %(args)s::text[], %(priorities)s::smallint[],
             %(run_ats)s::timestamptz[], %(delays)s::float8[], %(max_attempts)s::int[],
             %(unique_keys)s::text[], %(unique_queued_keys)s::text[],
@@ -117,3 +118,10 @@ JOB_COPY_IN_KEYED = """
 COPY {jobs} (id, queue, task, args, priority, run_at, state, max_attempts, ordering_key,
              key_limit, key_rate, key_period) FROM STDIN
 """
+
+# The same two with the jobs' meta (0018) as the last field: used only when something is
+# stored there (a trace context), so that a plain bulk enqueue writes no extra field.
+JOB_COPY_IN_META = JOB_COPY_IN.replace("max_attempts)", "max_attempts, meta)")
+JOB_COPY_IN_KEYED_META = JOB_COPY_IN_KEYED.replace("key_period)", "key_period, meta)")
+if JOB_COPY_IN_META == JOB_COPY_IN or JOB_COPY_IN_KEYED_META == JOB_COPY_IN_KEYED:
+    raise RuntimeError("JOB_COPY_IN changed shape; update its META twins")  # pragma: no cover

@@ -115,13 +115,13 @@ WITH done AS (
 )
 INSERT INTO {history} (id, queue, task, args, state, priority, attempts, max_attempts, errors,
                        result, unique_key, ordering_key, created_at, attempted_at, progress,
-                       started_at, worker_ids)
+                       started_at, worker_ids, meta)
 SELECT id, queue, task, args, 'cancelled', priority, attempts, max_attempts,
        errors || jsonb_build_array(jsonb_build_object(
            'attempt', attempts, 'at', now(), 'type', 'Cancelled',
            'message', 'cancelled; its worker was gone', 'traceback', NULL)),
        NULL, unique_key, ordering_key, created_at, attempted_at, progress, started_at,
-       worker_ids
+       worker_ids, meta
 FROM done
 RETURNING queue, 1
 """

@@ -22,3 +22,15 @@ GROUP BY queue, state
 # A scrape must not hang on a slow count (a lock, an overloaded server): the collector
 # gives up after this and serves the figures it read last.
 GAUGES_STATEMENT_TIMEOUT = "-c statement_timeout=5000"
+
+# What else a scrape reports about the whole database, in one cheap statement next to
+# QUEUE_GAUGES: every id the jobs' sequence has handed out (a counter of jobs enqueued,
+# through any client or plain SQL; it also counts ids drawn by enqueues that rolled back
+# and by unique jobs that turned out duplicates: an upper bound, which only ever grows),
+# and the workers registered now with their slots (a crashed worker's row is removed by
+# the leader's rescue within seconds).
+ENQUEUED_AND_WORKERS = """
+SELECT pg_sequence_last_value(pg_get_serial_sequence(%(table)s, 'id')::regclass),
+       (SELECT count(*) FROM {workers}),
+       (SELECT coalesce(sum(concurrency), 0) FROM {workers})
+"""

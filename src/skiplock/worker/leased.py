@@ -74,6 +74,11 @@ class LeasedJobs:
         self._job_tasks: dict[int, str] = {}
         self._progress: dict[int, tuple[int, str]] = {}
 
+    @property
+    def running(self) -> int:
+        """Jobs whose handler runs now (not those claimed ahead, waiting for a slot)."""
+        return len(self.held) - len(self.at_gate)
+
     def runs_in_thread(self, job_id: int) -> bool:
         """Whether the job's handler is sync (its thread cannot be cancelled)."""
         handler = self._app.tasks.get(self._job_tasks.get(job_id, ""))
@@ -163,7 +168,8 @@ class LeasedJobs:
                     raise asyncio.CancelledError  # cancelled while it waited: never ran
                 if self.starts is not None:
                     self.starts.note(job.id, job.attempts)
-                outcome = await executor.run_leased(
+                self._metrics.job_started(job, job.attempts)
+                run = executor.run_leased(
                     self._app,
                     job,
                     threads,
@@ -172,6 +178,15 @@ class LeasedJobs:
                     progress=partial(self._record_progress, job.id, job.attempts),
                     on_abandoned=partial(self._hold_slot, slots),
                 )
+                tracing = self._app.tracing
+                if tracing is None:
+                    outcome = await run
+                else:
+                    # The span is current while the handler runs (a sync handler's thread
+                    # gets a copy of this task's context): its own spans are children.
+                    with tracing.process(job, job.attempts) as span:
+                        outcome = await run
+                        span.ended(outcome.kind, outcome.error)
             except asyncio.CancelledError:
                 if not cancel.is_set():
                     raise  # shutdown, or the lease was lost: no outcome of ours to write
@@ -187,6 +202,8 @@ class LeasedJobs:
             if self.ahead is not None:
                 self.ahead.job_ended(seconds)
             self._metrics.job_finished(job.queue, job.task, outcome.kind, seconds)
+            if outcome.error is not None:
+                self._metrics.job_failed(job.queue, job.task, outcome.error)
             job_log.finished(job, outcome, seconds)
             if self.held.get(job.id, (None,))[0] == job.attempts:
                 self.completer.add(outcome)

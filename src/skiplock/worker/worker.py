@@ -253,6 +253,7 @@ class Worker:
             gate=gate,
         )
         cursors = {queue: ClaimCursor() for queue in self.queues}
+        self.metrics.worker_started(self._busy_slots, self.concurrency, self._leads)
         supervisor = self.supervisor = Supervisor(on_restart=self.metrics.service_restarted)
 
         promotion = Promotion(maintenance_pool, schema, poll_interval=self.poll_interval)
@@ -431,6 +432,7 @@ class Worker:
             if sync_pool is not None:
                 sync_pool.close()
             threads.shutdown(wait=False, cancel_futures=True)
+            self.metrics.worker_stopped()
             log.info("worker %s stopped", self.id)
 
     def _producers(
@@ -563,13 +565,27 @@ class Worker:
         self.stats.claimed += count
         self.metrics.claimed(queue, count)
 
+    def _busy_slots(self) -> int:
+        """Slots running a job now, for the metrics (read from the scrape's thread)."""
+        jobs, sessions = self._jobs, self._transactional
+        leased = jobs.running if jobs is not None else 0
+        return leased + (len(sessions.running) if sessions is not None else 0)
+
+    def _leads(self) -> bool:
+        """Whether this worker is the elected leader now (from any thread: the event
+        loop's clock is the monotonic clock)."""
+        return self._loop is not None and self.leadership.is_leader(self._loop.time())
+
     def _transactional_completed(self, count: int) -> None:
         self.stats.transactional_completed += count
 
     def _transactional_finished(
         self, job: ClaimedJob, kind: str, seconds: float, error: dict[str, Any] | None
     ) -> None:
+        self.metrics.job_started(job, job.attempts + 1, seconds)
         self.metrics.job_finished(job.queue, job.task, kind, seconds)
+        if error is not None:
+            self.metrics.job_failed(job.queue, job.task, error)
         job_log.transactional_finished(job, kind, seconds, error)
 
     def request_cancel(self, job_id: int) -> None:

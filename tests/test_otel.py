@@ -1,0 +1,321 @@
+"""OpenTelemetry: send spans at enqueue, process spans per attempt, the context between them
+stored in the job's meta column. A real database and a real worker; spans are read from
+the SDK's in-memory exporter, through a tracer provider of the test's own (never the
+process's global one)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+from psycopg import sql
+
+import skiplock
+from conftest import SCHEMA, JobFactory, StartWorker, wait_until
+from skiplock.contrib.otel import OpenTelemetryTracing, instrument, stored_context
+from skiplock.retry import RetryPolicy
+
+QUICK_RETRY = RetryPolicy(base=0.001, cap=0.001, jitter=0.0)
+FAST = {"poll_interval": 0.05, "rescue_interval": 0.05}
+
+
+class Traces:
+    def __init__(self) -> None:
+        self.exporter = InMemorySpanExporter()
+        self.provider = TracerProvider()
+        self.provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+
+    def spans(self, name: str | None = None) -> list[ReadableSpan]:
+        return [
+            span for span in self.exporter.get_finished_spans() if name is None or span.name == name
+        ]
+
+    def one(self, name: str) -> ReadableSpan:
+        found = self.spans(name)
+        assert len(found) == 1, [s.name for s in self.spans()]
+        return found[0]
+
+
+@pytest.fixture
+def traces() -> Iterator[Traces]:
+    found = Traces()
+    yield found
+    found.provider.shutdown()
+
+
+def meta_of(app: skiplock.App, job_id: int, table: str = "jobs") -> Any:
+    with psycopg.connect(app.database_url) as conn:
+        row = conn.execute(
+            sql.SQL("SELECT meta FROM {} WHERE id = %s").format(sql.Identifier(SCHEMA, table)),
+            (job_id,),
+        ).fetchone()
+    assert row is not None, f"job {job_id} is not in {table}"
+    return row[0]
+
+
+def trace_id_of(meta: dict[str, Any]) -> int:
+    context = stored_context(json.dumps(meta))
+    assert context is not None
+    from opentelemetry import trace  # noqa: PLC0415
+
+    return trace.get_current_span(context).get_span_context().trace_id
+
+
+def test_an_enqueue_is_a_producer_span_whose_context_is_stored_with_the_job(
+    app: skiplock.App, traces: Traces
+) -> None:
+    instrument(app, traces.provider)
+    send_email = app.task(name="send_email", queue="emails")(lambda to: None)
+
+    with psycopg.connect(app.database_url) as conn:
+        job_id = int(send_email.enqueue(conn, to="a@example.com"))
+        conn.commit()
+
+    span = traces.one("send emails")
+    assert span.kind is SpanKind.PRODUCER
+    assert span.attributes is not None
+    assert dict(span.attributes) == {
+        "messaging.system": "skiplock",
+        "messaging.operation.type": "send",
+        "messaging.operation.name": "send",
+        "messaging.destination.name": "emails",
+        "skiplock.task": "send_email",
+        "messaging.message.id": str(job_id),
+    }
+    meta = meta_of(app, job_id)
+    assert span.context is not None
+    assert trace_id_of(meta) == span.context.trace_id
+    assert set(meta) == {"trace"}
+    with psycopg.connect(app.database_url) as conn:  # and the arguments are untouched
+        assert skiplock.client.get_job(conn, app.schema, job_id).args == {"to": "a@example.com"}
+
+
+def test_without_tracing_nothing_is_stored(app: skiplock.App) -> None:
+    task = app.task(name="plain")(lambda: None)
+    with psycopg.connect(app.database_url) as conn:
+        job_id = int(task.enqueue(conn))
+        ids = app.enqueue_many(conn, [task.job() for _ in range(3)])
+        conn.commit()
+
+    assert meta_of(app, job_id) is None
+    assert all(meta_of(app, i) is None for i in ids)
+
+
+def test_the_process_span_links_to_the_send_span_and_holds_the_handlers_spans(
+    app: skiplock.App, traces: Traces, start_worker: StartWorker
+) -> None:
+    instrument(app, traces.provider)
+    inner = traces.provider.get_tracer("test")
+
+    @app.task(name="resize")
+    def resize(size: int) -> int:
+        with inner.start_as_current_span("inside the handler"):
+            return size * 2
+
+    with psycopg.connect(app.database_url) as conn:
+        job_id = int(resize.enqueue(conn, size=3))
+        conn.commit()
+    worker = start_worker(app, **FAST)
+    wait_until(lambda: traces.spans("inside the handler"), what="the handler to run")
+    wait_until(lambda: traces.spans("process default"), what="the process span to end")
+    worker.stop()
+
+    send, process = traces.one("send default"), traces.one("process default")
+    assert process.kind is SpanKind.CONSUMER
+    assert process.attributes is not None
+    assert process.attributes["messaging.system"] == "skiplock"
+    assert process.attributes["messaging.operation.type"] == "process"
+    assert process.attributes["messaging.destination.name"] == "default"
+    assert process.attributes["messaging.message.id"] == str(job_id)
+    assert process.attributes["skiplock.task"] == "resize"
+    assert process.attributes["skiplock.attempt"] == 1
+    assert process.attributes["skiplock.outcome"] == "completed"
+    assert "error.type" not in process.attributes
+    # A trace of its own, linked to the enqueue's (the conventions' default).
+    assert send.context is not None and process.context is not None
+    assert process.parent is None
+    assert process.context.trace_id != send.context.trace_id
+    assert [link.context.span_id for link in process.links] == [send.context.span_id]
+    # The sync handler ran in a thread, and its span is the process span's child.
+    handler = traces.one("inside the handler")
+    assert handler.parent is not None
+    assert handler.parent.span_id == process.context.span_id
+    # The meta moved to history with the job.
+    assert meta_of(app, job_id, "job_history") is not None
+
+
+def test_with_parent_the_process_span_is_a_child_of_the_send_span(
+    app: skiplock.App, traces: Traces, start_worker: StartWorker
+) -> None:
+    instrument(app, traces.provider, parent=True)
+
+    @app.task(name="child")
+    async def child() -> None:
+        return None
+
+    with psycopg.connect(app.database_url) as conn:
+        child.enqueue(conn)
+        conn.commit()
+    worker = start_worker(app, **FAST)
+    wait_until(lambda: traces.spans("process default"), what="the job to run")
+    worker.stop()
+
+    send, process = traces.one("send default"), traces.one("process default")
+    assert send.context is not None and process.context is not None
+    assert process.parent is not None
+    assert process.parent.span_id == send.context.span_id
+    assert process.context.trace_id == send.context.trace_id
+    assert not process.links
+
+
+def test_each_attempt_is_a_span_and_a_failure_names_its_error_type(
+    app: skiplock.App, traces: Traces, start_worker: StartWorker
+) -> None:
+    instrument(app, traces.provider)
+
+    class PaymentDeclinedError(Exception):
+        pass
+
+    @app.task(name="charge", max_attempts=2, retry=QUICK_RETRY)
+    def charge() -> None:
+        raise PaymentDeclinedError("card declined")
+
+    with psycopg.connect(app.database_url) as conn:
+        job_id = int(charge.enqueue(conn))
+        conn.commit()
+    worker = start_worker(app, **FAST)
+    wait_until(lambda: len(traces.spans("process default")) == 2, what="both attempts")
+    worker.stop()
+
+    spans = sorted(
+        traces.spans("process default"),
+        key=lambda s: s.attributes["skiplock.attempt"] if s.attributes else 0,
+    )
+    outcomes = [s.attributes["skiplock.outcome"] if s.attributes else None for s in spans]
+    assert outcomes == ["retried", "dead"]
+    for span in spans:
+        assert span.attributes is not None
+        assert span.attributes["messaging.message.id"] == str(job_id)
+        assert span.attributes["error.type"] == (
+            f"{__name__}.test_each_attempt_is_a_span_and_a_failure_names_its_error_type"
+            ".<locals>.PaymentDeclinedError"
+        )
+        assert span.status.status_code is StatusCode.ERROR
+        assert span.status.description == "card declined"
+    # Both attempts link to the one enqueue.
+    send = traces.one("send default")
+    assert send.context is not None
+    assert all(s.links[0].context.span_id == send.context.span_id for s in spans)
+
+
+def test_a_bulk_enqueue_is_one_send_span_and_every_path_stores_the_context(
+    app: skiplock.App, traces: Traces
+) -> None:
+    instrument(app, traces.provider)
+    plain = app.task(name="plain", queue="bulk")(lambda n: None)
+    unique = app.task(name="unique", queue="bulk", unique=True)(lambda n: None)
+    windowed = app.task(name="windowed", queue="bulk", unique=True, unique_window=60)(
+        lambda n: None
+    )
+    keyed = plain.with_options(ordering_key="customer-1")
+
+    batches = {
+        "copy": [plain.job(n=n) for n in range(3)],
+        "copy, keyed": [keyed.job(n=n) for n in range(2)],
+        "unique": [unique.job(n=n) for n in range(2)],
+        "windowed": [windowed.job(n=n) for n in range(2)],
+    }
+    ids: dict[str, list[int]] = {}
+    with psycopg.connect(app.database_url) as conn:
+        for name, specs in batches.items():
+            ids[name] = app.enqueue_many(conn, specs)
+        single_windowed = int(windowed.enqueue(conn, n=99))
+        conn.commit()
+
+    sends = traces.spans("send bulk")
+    assert len(sends) == len(batches) + 1
+    counts = sorted(
+        s.attributes["messaging.batch.message_count"]
+        for s in sends
+        if s.attributes and "messaging.batch.message_count" in s.attributes
+    )
+    assert counts == [2, 2, 2, 3]
+    trace_ids = set()
+    for name, job_ids in ids.items():
+        for job_id in job_ids:
+            meta = meta_of(app, job_id)
+            assert meta is not None, f"{name}: job {job_id} has no meta"
+            trace_ids.add(trace_id_of(meta))
+    assert meta_of(app, single_windowed) is not None
+    assert trace_ids == {s.context.trace_id for s in sends if s.context} - {
+        trace_id_of(meta_of(app, single_windowed))
+    }
+
+
+def test_async_enqueues_are_traced_too(app: skiplock.App, traces: Traces) -> None:
+    instrument(app, traces.provider)
+    task = app.task(name="later", queue="async")(lambda: None)
+
+    async def enqueue() -> tuple[int, list[int]]:
+        async with await psycopg.AsyncConnection.connect(app.database_url) as conn:
+            job_id = int(await task.enqueue_async(conn))
+            ids = await app.enqueue_many_async(conn, [task.job(), task.job()])
+            await conn.commit()
+        return job_id, ids
+
+    job_id, ids = asyncio.run(enqueue())
+
+    assert len(traces.spans("send async")) == 2
+    assert all(meta_of(app, i) is not None for i in [job_id, *ids])
+
+
+def test_a_duplicate_is_marked_and_keeps_the_holders_context(
+    app: skiplock.App, traces: Traces
+) -> None:
+    instrument(app, traces.provider)
+    once = app.task(name="once", unique=True)(lambda: None)
+    with psycopg.connect(app.database_url) as conn:
+        first = int(once.enqueue(conn))
+        second = int(once.enqueue(conn))
+        conn.commit()
+
+    assert first == second
+    first_send, second_send = traces.spans("send default")
+    assert second_send.attributes is not None
+    assert second_send.attributes["skiplock.duplicate"] is True
+    assert first_send.context is not None
+    assert trace_id_of(meta_of(app, first)) == first_send.context.trace_id
+
+
+def test_unreadable_meta_written_by_hand_does_not_cost_the_job(
+    app: skiplock.App, traces: Traces, start_worker: StartWorker, make_job: JobFactory
+) -> None:
+    app.tracing = OpenTelemetryTracing(traces.provider)
+    app.task(name="noop")(lambda: None)
+    job_ids = [make_job(task="noop") for _ in range(3)]
+    garbage = ['"a string"', '{"trace": 5}', '{"trace": {"traceparent": "nonsense"}}']
+    with psycopg.connect(app.database_url) as conn:
+        for job_id, meta in zip(job_ids, garbage, strict=True):
+            conn.execute(
+                sql.SQL("UPDATE {} SET meta = %s::jsonb WHERE id = %s").format(
+                    sql.Identifier(SCHEMA, "jobs")
+                ),
+                (meta, job_id),
+            )
+        conn.commit()
+    worker = start_worker(app, **FAST)
+    wait_until(lambda: len(traces.spans("process default")) == 3, what="every job to run")
+    worker.stop()
+
+    for span in traces.spans("process default"):
+        assert not span.links
+        assert span.attributes is not None
+        assert span.attributes["skiplock.outcome"] == "completed"
