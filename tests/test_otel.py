@@ -317,3 +317,45 @@ def test_unreadable_meta_written_by_hand_does_not_cost_the_job(
         assert not span.links
         assert span.attributes is not None
         assert span.attributes["skiplock.outcome"] == "completed"
+
+
+def test_transactional_attempts_are_process_spans_too(
+    app: skiplock.App, traces: Traces, start_worker: StartWorker
+) -> None:
+    instrument(app, traces.provider)
+    inner = traces.provider.get_tracer("test")
+
+    @app.task(name="tx_sync", transactional=True)
+    def tx_sync(conn: psycopg.Connection[Any]) -> None:
+        with inner.start_as_current_span("inside tx_sync"):
+            conn.execute("SELECT 1")
+
+    @app.task(name="tx_async", transactional=True, max_attempts=1)
+    async def tx_async(conn: psycopg.AsyncConnection[Any]) -> None:
+        with inner.start_as_current_span("inside tx_async"):
+            raise LookupError("not there")
+
+    with psycopg.connect(app.database_url) as conn:
+        tx_sync.enqueue(conn)
+        tx_async.enqueue(conn)
+        conn.commit()
+    worker = start_worker(app, **FAST)
+    wait_until(lambda: len(traces.spans("process default")) == 2, what="both jobs to run")
+    worker.stop()
+
+    by_task = {attribute(s, "skiplock.task"): s for s in traces.spans("process default")}
+    sync_span, async_span = by_task["tx_sync"], by_task["tx_async"]
+    # Transactional attempts count from the row's attempts before this one.
+    assert attribute(sync_span, "skiplock.attempt") == 1
+    assert attribute(sync_span, "skiplock.outcome") == "completed"
+    assert attribute(async_span, "skiplock.outcome") == "dead"
+    assert attribute(async_span, "error.type") == "LookupError"
+    for task, span in (("tx_sync", sync_span), ("tx_async", async_span)):
+        handler = traces.one(f"inside {task}")
+        assert span.context is not None and handler.parent is not None
+        assert handler.parent.span_id == span.context.span_id
+        assert [link.context.span_id for link in span.links] == [
+            s.context.span_id
+            for s in traces.spans("send default")
+            if s.context and attribute(s, "skiplock.task") == task
+        ]

@@ -38,6 +38,7 @@ from skiplock.retry import RetryPolicy, decide_failure, retry_at_from
 from skiplock.sql import claim, complete, render
 from skiplock.storable import encode_result, storable_message, storable_text
 from skiplock.tracebacks import format_handler_exception
+from skiplock.tracing import Tracing
 from skiplock.types import ClaimedJob
 
 log = logging.getLogger("skiplock.executor")
@@ -382,6 +383,23 @@ def _kind(statement: str, params: dict[str, Any]) -> str:
     return "completed" if "result" in params else "snoozed"
 
 
+class _TracedAttempt:
+    """The process span of one transactional attempt (skiplock/tracing.py), entered and
+    left by hand: the attempt is not one block of the session's loop. ``abort`` ends it
+    with the exception that ended the session."""
+
+    def __init__(self, tracing: Tracing, job: ClaimedJob) -> None:
+        self._span = tracing.process(job, job.attempts + 1)
+        self._process = self._span.__enter__()
+
+    def end(self, kind: str, error: dict[str, Any] | None) -> None:
+        self._process.ended(kind, error)
+        self._span.__exit__(None, None, None)
+
+    def abort(self, exc: BaseException) -> None:
+        self._span.__exit__(type(exc), exc, exc.__traceback__)
+
+
 def _done_notify(app: App) -> tuple[str, dict[str, Any]]:
     return render(complete.JOBS_DONE_NOTIFY, app.schema), {"channel": done_channel(app.schema)}
 
@@ -413,6 +431,7 @@ async def run_transactional_async(
     itself is recorded in the outer transaction. Returns how many jobs were claimed.
     """
     running: ClaimedJob | None = None
+    traced: _TracedAttempt | None = None
     try:
         async with conn.transaction():
             # The handler's own writes commit with the job: they must be durable.
@@ -427,6 +446,7 @@ async def run_transactional_async(
                 task = app.tasks[job.task]
                 exc: BaseException | None = None
                 set_current_job(job)
+                traced = None if app.tracing is None else _TracedAttempt(app.tracing, job)
                 started = time.perf_counter()
                 step: Step | None = None
                 try:
@@ -456,10 +476,15 @@ async def run_transactional_async(
                         await conn.execute(*step)
                 assert step is not None
                 running = None
+                if traced is not None:
+                    traced.end(_kind(*step), _error(*step))
+                    traced = None
                 on_finished(job, _kind(*step), time.perf_counter() - started, _error(*step))
             if jobs:
                 await conn.execute(*_done_notify(app))
     except Exception as exc:
+        if traced is not None:
+            traced.abort(exc)
         if running is not None:
             await _charge_async(app, conn, running, _lost_reason(exc), rng, clock)
         raise
@@ -564,6 +589,7 @@ def run_transactional_sync(
     """Sync twin of ``run_transactional_async``, run in a worker thread. A task's timeout
     is enforced by the server (SESSION_LIMIT), for that job only."""
     running: ClaimedJob | None = None
+    traced: _TracedAttempt | None = None
     try:
         with conn.transaction():
             rows = conn.execute(
@@ -577,6 +603,7 @@ def run_transactional_sync(
                 task = app.tasks[job.task]
                 exc: BaseException | None = None
                 set_current_job(job)
+                traced = None if app.tracing is None else _TracedAttempt(app.tracing, job)
                 started = time.perf_counter()
                 timeout = task.options.timeout
                 if timeout is not None:
@@ -616,10 +643,15 @@ def run_transactional_sync(
                     )
                 assert step is not None
                 running = None
+                if traced is not None:
+                    traced.end(_kind(*step), _error(*step))
+                    traced = None
                 on_finished(job, _kind(*step), time.perf_counter() - started, _error(*step))
             if jobs:
                 conn.execute(*_done_notify(app))
     except Exception as exc:
+        if traced is not None:
+            traced.abort(exc)
         if running is not None:
             _charge_sync(app, conn, running, _lost_reason(exc))
         raise
