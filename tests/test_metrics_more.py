@@ -5,13 +5,16 @@ the blocked state, jobs enqueued, workers registered) exported by the leader onl
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import threading
 import urllib.request
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -322,3 +325,46 @@ def test_skiplock_metrics_refuses_bad_options_by_name(
     assert "--refresh must be >= 0" in capsys.readouterr().err
     assert cli.main([*base, "--port", "70000"]) == 2
     assert "--port must be from 1 to 65535" in capsys.readouterr().err
+
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def exported_names(app: skiplock.App, start_worker: StartWorker) -> set[str]:
+    """Every metric name a worker and the exporter serve, as scraped (with _total)."""
+    metrics = metrics_for(app)
+    start_worker(app, metrics=metrics, **FAST)
+    wait_until(lambda: sample(metrics.registry, "skiplock_worker_leader") == 1, what="election")
+    names: set[str] = set()
+    for registry in (metrics.registry, exporter_registry(app.database_url, app.schema, 0)):
+        for family in registry.collect():
+            names.update(s.name for s in family.samples)
+            if family.type == "histogram":  # labelled ones have no series until observed
+                names.update(family.name + end for end in ("_bucket", "_count", "_sum"))
+            else:
+                names.add(family.name + ("_total" if family.type == "counter" else ""))
+    return {name for name in names if not name.endswith("_created")}
+
+
+def test_the_docs_and_the_dashboard_name_exactly_what_is_exported(
+    app: skiplock.App, start_worker: StartWorker
+) -> None:
+    exported = exported_names(app, start_worker)
+    documented = set(
+        re.findall(r"^\| `(skiplock_[a-z_]+)`", (DOCS / "metrics.md").read_text(), re.M)
+    )
+    dashboard = json.loads((DOCS / "grafana" / "skiplock.json").read_text())
+    expressions = [
+        target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])
+    ]
+    used = {name for expr in expressions for name in re.findall(r"skiplock_[a-z_]+", expr)}
+
+    # Histograms are documented by their base name; their series carry suffixes.
+    def base(name: str) -> str:
+        for suffix in ("_bucket", "_count", "_sum"):
+            if name.endswith(suffix) and name.removesuffix(suffix) in documented:
+                return name.removesuffix(suffix)
+        return name
+
+    assert {base(name) for name in exported} == documented
+    assert used <= exported, used - exported
