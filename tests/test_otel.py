@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -359,3 +362,42 @@ def test_transactional_attempts_are_process_spans_too(
             for s in traces.spans("send default")
             if s.context and attribute(s, "skiplock.task") == task
         ]
+
+
+def test_a_cancelled_attempt_ends_its_span_cancelled_not_failed(
+    app: skiplock.App, traces: Traces, start_worker: StartWorker
+) -> None:
+    instrument(app, traces.provider)
+    started = threading.Event()
+
+    @app.task(name="forever_async")
+    async def forever_async() -> None:
+        started.set()
+        await asyncio.sleep(60)
+
+    @app.task(name="polite_sync")
+    def polite_sync() -> None:
+        started.set()
+        while not skiplock.cancel_requested():
+            time.sleep(0.01)
+
+    def ended(name: str) -> bool:
+        return any(attribute(s, "skiplock.task") == name for s in traces.spans("process default"))
+
+    worker = start_worker(app, **FAST)
+    for task in (forever_async, polite_sync):
+        started.clear()
+        with psycopg.connect(app.database_url) as conn:
+            job_id = int(task.enqueue(conn))
+            conn.commit()
+        assert started.wait(10), f"{task.name} did not start"
+        with psycopg.connect(app.database_url) as conn:
+            skiplock.client.cancel_job(conn, app.schema, job_id)
+            conn.commit()
+        wait_until(partial(ended, task.name), what=f"{task.name} to end")
+    worker.stop()
+
+    for span in traces.spans("process default"):
+        assert attribute(span, "skiplock.outcome") == "cancelled"
+        assert attribute(span, "error.type") is None
+        assert span.status.status_code is not StatusCode.ERROR

@@ -51,8 +51,10 @@ class _Send(Send):
 class _Process(Process):
     def __init__(self, span: trace.Span) -> None:
         self._span = span
+        self.outcome: str | None = None
 
     def ended(self, outcome: str, error: Mapping[str, Any] | None) -> None:
+        self.outcome = outcome
         self._span.set_attribute("skiplock.outcome", outcome)
         if error is not None:
             self._span.set_attribute("error.type", error_class(error))
@@ -125,13 +127,22 @@ class OpenTelemetryTracing(Tracing):
                 "skiplock.task": job.task,
                 "skiplock.attempt": attempt,
             },
+            record_exception=False,
+            set_status_on_exception=False,
         ) as span:
+            process = _Process(span)
             try:
-                yield _Process(span)
+                yield process
             except BaseException as exc:
-                # The attempt was cut short: the worker stopped, its lease was lost, or it
-                # was cancelled. The span records the exception itself on the way out.
-                span.set_attribute("error.type", f"{type(exc).__module__}.{type(exc).__qualname__}")
+                # A cancelled job's handler is stopped by the cancellation it was asked
+                # for: that is its outcome, not an error. Anything else cut the attempt
+                # short (the worker stopped, the lease was lost, the session ended).
+                if process.outcome != "cancelled":
+                    span.record_exception(exc)
+                    span.set_attribute(
+                        "error.type", f"{type(exc).__module__}.{type(exc).__qualname__}"
+                    )
+                    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
                 raise
 
 

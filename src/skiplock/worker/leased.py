@@ -185,8 +185,13 @@ class LeasedJobs:
                     # The span is current while the handler runs (a sync handler's thread
                     # gets a copy of this task's context): its own spans are children.
                     with tracing.process(job, job.attempts) as span:
-                        outcome = await run
-                        span.ended(outcome.kind, outcome.error)
+                        try:
+                            outcome = await run
+                        finally:
+                            if cancel.is_set():  # asked to stop: it ends cancelled (below)
+                                span.ended("cancelled", None)
+                        if not cancel.is_set():
+                            span.ended(outcome.kind, outcome.error)
             except asyncio.CancelledError:
                 if not cancel.is_set():
                     raise  # shutdown, or the lease was lost: no outcome of ours to write
