@@ -157,10 +157,9 @@ def _copy_chunks(
         yield "\n".join(lines)
 
 
-def _copy_statement(keyed: bool, meta: str | None) -> str:
-    if meta is None:
-        return enqueue.JOB_COPY_IN_KEYED if keyed else enqueue.JOB_COPY_IN
-    return enqueue.JOB_COPY_IN_KEYED_META if keyed else enqueue.JOB_COPY_IN_META
+def _meta(statement: str, meta: str | None) -> str:
+    """The statement, or its twin that also writes the jobs' meta when there is one."""
+    return statement if meta is None else enqueue.WITH_META[statement]
 
 
 def _reserve_params(schema: str, count: int) -> dict[str, Any]:
@@ -201,7 +200,7 @@ def _insert_windowed(conn: Conn, schema: str, spec: JobSpec, meta: str | None) -
             continue  # taken meanwhile: read the holder
         job_id = int(row[0])
         if conn.execute(
-            render(enqueue.JOB_INSERT_UNIQUE, schema), {**params, "id": job_id}
+            render(_meta(enqueue.JOB_INSERT_UNIQUE, meta), schema), {**params, "id": job_id}
         ).fetchone():
             return job_id, True
         # A live job in the scope holds the key: no new job, so the window is not taken.
@@ -227,7 +226,7 @@ async def _insert_windowed_async(
             continue
         job_id = int(row[0])
         cur = await conn.execute(
-            render(enqueue.JOB_INSERT_UNIQUE, schema), {**params, "id": job_id}
+            render(_meta(enqueue.JOB_INSERT_UNIQUE, meta), schema), {**params, "id": job_id}
         )
         if await cur.fetchone():
             return job_id, True
@@ -246,14 +245,18 @@ def insert_job(
     key (or its window has not passed), and the id is that job's. ``meta``: JSON object
     text for the job's meta column (a trace context; skiplock/tracing.py)."""
     if spec.unique_key is None:
-        row = conn.execute(render(enqueue.JOB_INSERT, schema), _one_params(spec, meta)).fetchone()
+        row = conn.execute(
+            render(_meta(enqueue.JOB_INSERT, meta), schema), _one_params(spec, meta)
+        ).fetchone()
         assert row is not None
         return int(row[0]), True
     if spec.unique_window is not None:
         return _insert_windowed(conn, schema, spec, meta)
     params = _unique_params(schema, spec, meta)
     while True:
-        row = conn.execute(render(enqueue.JOB_INSERT_UNIQUE, schema), params).fetchone()
+        row = conn.execute(
+            render(_meta(enqueue.JOB_INSERT_UNIQUE, meta), schema), params
+        ).fetchone()
         if row is not None:
             return int(row[0]), True
         row = conn.execute(render(enqueue.JOB_FIND_UNIQUE, schema), params).fetchone()
@@ -267,7 +270,9 @@ async def insert_job_async(
     conn: AsyncConn, schema: str, spec: JobSpec, *, meta: str | None = None
 ) -> tuple[int, bool]:
     if spec.unique_key is None:
-        cur = await conn.execute(render(enqueue.JOB_INSERT, schema), _one_params(spec, meta))
+        cur = await conn.execute(
+            render(_meta(enqueue.JOB_INSERT, meta), schema), _one_params(spec, meta)
+        )
         row = await cur.fetchone()
         assert row is not None
         return int(row[0]), True
@@ -275,7 +280,7 @@ async def insert_job_async(
         return await _insert_windowed_async(conn, schema, spec, meta)
     params = _unique_params(schema, spec, meta)
     while True:
-        cur = await conn.execute(render(enqueue.JOB_INSERT_UNIQUE, schema), params)
+        cur = await conn.execute(render(_meta(enqueue.JOB_INSERT_UNIQUE, meta), schema), params)
         row = await cur.fetchone()
         if row is not None:
             return int(row[0]), True
@@ -364,7 +369,8 @@ def _insert_unique_many(
     batch: Sequence[JobSpec] = specs
     while batch:
         rows = conn.execute(
-            render(enqueue.JOB_INSERT_MANY_UNIQUE, schema), _many_unique_params(batch, meta)
+            render(_meta(enqueue.JOB_INSERT_MANY_UNIQUE, meta), schema),
+            _many_unique_params(batch, meta),
         ).fetchall()
         inserted, new_plain, missing = _inserted_by_key(batch, rows)
         by_key.update(inserted)
@@ -387,7 +393,8 @@ async def _insert_unique_many_async(
     batch: Sequence[JobSpec] = specs
     while batch:
         cur = await conn.execute(
-            render(enqueue.JOB_INSERT_MANY_UNIQUE, schema), _many_unique_params(batch, meta)
+            render(_meta(enqueue.JOB_INSERT_MANY_UNIQUE, meta), schema),
+            _many_unique_params(batch, meta),
         )
         inserted, new_plain, missing = _inserted_by_key(batch, await cur.fetchall())
         by_key.update(inserted)
@@ -422,7 +429,7 @@ def insert_jobs(
     assert row is not None
     now, ids = row
     keyed = any(s.ordering_key for s in specs)
-    statement = _copy_statement(keyed, meta)
+    statement = _meta(enqueue.JOB_COPY_IN_KEYED if keyed else enqueue.JOB_COPY_IN, meta)
     with conn.cursor().copy(render(statement, schema)) as copy:
         for chunk in _copy_chunks(specs, ids, now, keyed=keyed, meta=meta):
             copy.write(chunk)
@@ -446,7 +453,7 @@ async def insert_jobs_async(
     assert row is not None
     now, ids = row
     keyed = any(s.ordering_key for s in specs)
-    statement = _copy_statement(keyed, meta)
+    statement = _meta(enqueue.JOB_COPY_IN_KEYED if keyed else enqueue.JOB_COPY_IN, meta)
     async with conn.cursor().copy(render(statement, schema)) as copy:
         for chunk in _copy_chunks(specs, ids, now, keyed=keyed, meta=meta):
             await copy.write(chunk)

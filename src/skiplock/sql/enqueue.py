@@ -5,12 +5,11 @@
 # waits as 'blocked' until admission (sql/keys.py) makes it one or the other.
 JOB_INSERT = """
 INSERT INTO {jobs} (queue, task, args, priority, run_at, state, max_attempts, ordering_key,
-                    key_limit, key_rate, key_period, meta)
+                    key_limit, key_rate, key_period)
 SELECT %(queue)s, %(task)s, %(args)s::jsonb, %(priority)s, r,
        CASE WHEN %(ordering_key)s::text IS NOT NULL THEN 'blocked'
             WHEN r > now() THEN 'scheduled' ELSE 'available' END,
-       %(max_attempts)s, %(ordering_key)s, %(key_limit)s, %(key_rate)s, %(key_period)s,
-       %(meta)s::jsonb
+       %(max_attempts)s, %(ordering_key)s, %(key_limit)s, %(key_rate)s, %(key_period)s
 FROM (SELECT COALESCE(%(run_at)s, now() + %(delay)s * interval '1 second') AS r) AS due
 RETURNING id
 """
@@ -20,14 +19,14 @@ RETURNING id
 # waited on a concurrent holder, this statement's snapshot cannot see it.
 JOB_INSERT_UNIQUE = """
 INSERT INTO {jobs} (id, queue, task, args, priority, run_at, state, max_attempts, unique_key,
-                    unique_queued_key, ordering_key, key_limit, key_rate, key_period, meta)
+                    unique_queued_key, ordering_key, key_limit, key_rate, key_period)
 SELECT coalesce(%(id)s::bigint,
                 nextval((SELECT pg_get_serial_sequence(%(table)s, 'id'))::regclass)),
        %(queue)s, %(task)s, %(args)s::jsonb, %(priority)s, r,
        CASE WHEN %(ordering_key)s::text IS NOT NULL THEN 'blocked'
             WHEN r > now() THEN 'scheduled' ELSE 'available' END,
        %(max_attempts)s, %(unique_key)s, %(unique_queued_key)s, %(ordering_key)s, %(key_limit)s,
-       %(key_rate)s, %(key_period)s, %(meta)s::jsonb
+       %(key_rate)s, %(key_period)s
 FROM (SELECT COALESCE(%(run_at)s, now() + %(delay)s * interval '1 second') AS r) AS due
 ON CONFLICT DO NOTHING
 RETURNING id
@@ -69,11 +68,11 @@ LIMIT 1
 # the batch) insert nothing, and the caller looks their holders up by key.
 JOB_INSERT_MANY_UNIQUE = """
 INSERT INTO {jobs} (queue, task, args, priority, run_at, state, max_attempts, unique_key,
-                    unique_queued_key, ordering_key, key_limit, key_rate, key_period, meta)
+                    unique_queued_key, ordering_key, key_limit, key_rate, key_period)
 SELECT q, t, a::jsonb, p, due,
        CASE WHEN ok IS NOT NULL THEN 'blocked'
             WHEN due > now() THEN 'scheduled' ELSE 'available' END,
-       m, k, qk, ok, kl, kr, kp, %(meta)s::jsonb
+       m, k, qk, ok, kl, kr, kp
 FROM unnest(%(queues)s::text[], %(tasks)s::text[], %(args)s::text[], %(priorities)s::smallint[],
             %(run_ats)s::timestamptz[], %(delays)s::float8[], %(max_attempts)s::int[],
             %(unique_keys)s::text[], %(unique_queued_keys)s::text[],
@@ -119,9 +118,47 @@ COPY {jobs} (id, queue, task, args, priority, run_at, state, max_attempts, order
              key_limit, key_rate, key_period) FROM STDIN
 """
 
-# The same two with the jobs' meta (0018) as the last field: used only when something is
-# stored there (a trace context), so that a plain bulk enqueue writes no extra field.
-JOB_COPY_IN_META = JOB_COPY_IN.replace("max_attempts)", "max_attempts, meta)")
-JOB_COPY_IN_KEYED_META = JOB_COPY_IN_KEYED.replace("key_period)", "key_period, meta)")
-if JOB_COPY_IN_META == JOB_COPY_IN or JOB_COPY_IN_KEYED_META == JOB_COPY_IN_KEYED:
-    raise RuntimeError("JOB_COPY_IN changed shape; update its META twins")  # pragma: no cover
+# The statements above with the jobs' meta (0018), used only when something is stored
+# there (a trace context: skiplock/tracing.py). A plain enqueue names no column newer
+# than the statements above do, so that code of this release still enqueues into a
+# schema not yet migrated to 0018 while the migration waits to be run.
+_META_EDITS = {
+    "JOB_INSERT": (
+        ("key_period)\nSELECT", "key_period, meta)\nSELECT"),
+        ("%(key_period)s\nFROM", "%(key_period)s, %(meta)s::jsonb\nFROM"),
+    ),
+    "JOB_INSERT_UNIQUE": (
+        ("key_period)\nSELECT", "key_period, meta)\nSELECT"),
+        ("%(key_period)s\nFROM", "%(key_period)s, %(meta)s::jsonb\nFROM"),
+    ),
+    "JOB_INSERT_MANY_UNIQUE": (
+        ("key_period)\nSELECT", "key_period, meta)\nSELECT"),
+        ("kl, kr, kp\n", "kl, kr, kp, %(meta)s::jsonb\n"),
+    ),
+    "JOB_COPY_IN": (("max_attempts)", "max_attempts, meta)"),),
+    "JOB_COPY_IN_KEYED": (("key_period)", "key_period, meta)"),),
+}
+
+
+def _with_meta(name: str) -> str:
+    statement = globals()[name]
+    for old, new in _META_EDITS[name]:
+        if statement.count(old) != 1:  # pragma: no cover - guards the edits above
+            raise RuntimeError(f"{name} changed shape; update its edit in _META_EDITS")
+        statement = statement.replace(old, new)
+    return str(statement)
+
+
+JOB_INSERT_META = _with_meta("JOB_INSERT")
+JOB_INSERT_UNIQUE_META = _with_meta("JOB_INSERT_UNIQUE")
+JOB_INSERT_MANY_UNIQUE_META = _with_meta("JOB_INSERT_MANY_UNIQUE")
+JOB_COPY_IN_META = _with_meta("JOB_COPY_IN")
+JOB_COPY_IN_KEYED_META = _with_meta("JOB_COPY_IN_KEYED")
+# Each statement's twin with the meta, for the client to pick by whether it stores one.
+WITH_META = {
+    JOB_INSERT: JOB_INSERT_META,
+    JOB_INSERT_UNIQUE: JOB_INSERT_UNIQUE_META,
+    JOB_INSERT_MANY_UNIQUE: JOB_INSERT_MANY_UNIQUE_META,
+    JOB_COPY_IN: JOB_COPY_IN_META,
+    JOB_COPY_IN_KEYED: JOB_COPY_IN_KEYED_META,
+}
