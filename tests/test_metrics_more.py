@@ -325,6 +325,12 @@ def test_skiplock_metrics_refuses_bad_options_by_name(
     assert "--refresh must be >= 0" in capsys.readouterr().err
     assert cli.main([*base, "--port", "70000"]) == 2
     assert "--port must be from 1 to 65535" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main([*base, "--port", str(port)]) == 2
+    assert f"cannot serve on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"

@@ -62,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
     registry = exporter_registry(app.database_url, app.schema, args.refresh)
     from prometheus_client import start_http_server  # noqa: PLC0415
 
-    start_http_server(args.port, addr=args.host, registry=registry)
+    try:
+        start_http_server(args.port, addr=args.host, registry=registry)
+    except OSError as exc:  # the port is taken, the address is not this machine's, ...
+        raise ConfigurationError(f"cannot serve on {args.host}:{args.port}: {exc}") from None
     print(f"skiplock metrics: serving http://{args.host}:{args.port}/metrics", flush=True)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
