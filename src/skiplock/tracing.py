@@ -6,7 +6,7 @@ and every hook site tests exactly that, once: with tracing off a job costs one a
 read and nothing is imported.
 
 What a tracer wants to carry from the enqueuing code to the attempt (a trace context) is
-stored with the job in its ``meta`` column (migration 0018), never in its arguments,
+stored with the job in its ``meta`` column (migration 0017), never in its arguments,
 which are checked against the handler's signature.
 """
 

@@ -86,5 +86,5 @@ class ClaimedJob:
     created_at: datetime
     # Set when the row's arguments could not be decoded: the job fails with this message.
     args_error: str | None = None
-    # The row's meta (0018) as JSON text, undecoded: read only by a tracer (tracing.py).
+    # The row's meta (0017) as JSON text, undecoded: read only by a tracer (tracing.py).
     meta: str | None = None

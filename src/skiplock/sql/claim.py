@@ -26,7 +26,7 @@ WORKER_SESSION_OPTIONS = "-c synchronous_commit=off -c enable_seqscan=off"
 # slot, and rescue gives back the attempt of one that never started (decision 015).
 # Arguments come back as text and timestamps clamped to what Python's datetime can hold,
 # so that a row written by hand that Python cannot decode fails as one job
-# (executor.claimed_from_row) instead of failing the whole claim. The meta (0018) comes
+# (executor.claimed_from_row) instead of failing the whole claim. The meta (0017) comes
 # back as text too, decoded only by a tracer (skiplock/tracing.py); it is NULL unless one
 # stored something.
 JOB_CLAIM_BATCH = """

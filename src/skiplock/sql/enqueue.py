@@ -118,10 +118,10 @@ COPY {jobs} (id, queue, task, args, priority, run_at, state, max_attempts, order
              key_limit, key_rate, key_period) FROM STDIN
 """
 
-# The statements above with the jobs' meta (0018), used only when something is stored
+# The statements above with the jobs' meta (0017), used only when something is stored
 # there (a trace context: skiplock/tracing.py). A plain enqueue names no column newer
 # than the statements above do, so that code of this release still enqueues into a
-# schema not yet migrated to 0018 while the migration waits to be run.
+# schema not yet migrated to 0017 while the migration waits to be run.
 _META_EDITS = {
     "JOB_INSERT": (
         ("key_period)\nSELECT", "key_period, meta)\nSELECT"),

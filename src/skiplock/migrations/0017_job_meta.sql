@@ -1,4 +1,4 @@
--- skiplock 0018: what a job carries besides its arguments, for skiplock itself: the
+-- skiplock 0017: what a job carries besides its arguments, for skiplock itself: the
 -- trace context of the code that enqueued it (skiplock.contrib.otel), so that the worker's
 -- span of each attempt links to the enqueuing trace. Not in args: those are checked
 -- against the handler's signature. NULL (nothing stored) unless tracing is on; it moves
