@@ -1,0 +1,333 @@
+"""What the dashboard shows, read from the database; the decisions about it are pure.
+
+Parsing a page's filters from its query string, merging a page of live jobs with a page of
+history, laying out the throughput chart and cleaning a stored traceback are plain
+functions with no connection in sight; the functions that take a connection only run the
+statements of ``skiplock.sql.dashboard`` and hand the rows to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from skiplock.sql import dashboard as dashboard_sql
+from skiplock.sql import render
+
+if TYPE_CHECKING:
+    from skiplock.app import App
+
+Conn = psycopg.Connection[Any]
+
+LIVE_STATES = ("blocked", "scheduled", "available", "running", "retryable", "dead")
+FINISHED_STATES = ("completed", "cancelled")
+STATES = LIVE_STATES + FINISHED_STATES
+PAGE_SIZE = 50
+# "All matching" acts on at most this many jobs per click (the page says so when reached).
+BULK_LIMIT = 10_000
+
+
+class FilterError(ValueError):
+    """A filter in the query string that cannot be used; the message names it."""
+
+
+@dataclass(frozen=True)
+class JobFilter:
+    """The jobs page's filters. ``state`` None means every state, live and finished."""
+
+    state: str | None = None
+    queue: str | None = None
+    task: str | None = None
+    args_text: str | None = None
+    error_type: str | None = None
+    created_from: datetime | None = None
+    created_to: datetime | None = None
+
+    @property
+    def reads_live(self) -> bool:
+        return self.state is None or self.state in LIVE_STATES
+
+    @property
+    def reads_history(self) -> bool:
+        return self.state is None or self.state in FINISHED_STATES
+
+    def query(self) -> dict[str, str]:
+        """The filter as query-string parameters (the inputs of ``parse_filter``)."""
+        values = {
+            "state": self.state,
+            "queue": self.queue,
+            "task": self.task,
+            "args": self.args_text,
+            "error": self.error_type,
+            "from": self.created_from.isoformat() if self.created_from else None,
+            "to": self.created_to.isoformat() if self.created_to else None,
+        }
+        return {k: v for k, v in values.items() if v}
+
+    def params(self, *, before: int | None, limit: int) -> dict[str, Any]:
+        """Parameters for the statements of skiplock.sql.dashboard."""
+        return {
+            "state": self.state,
+            "queue": self.queue,
+            "task": self.task,
+            "args_text": f"%{like_escape(self.args_text)}%" if self.args_text else None,
+            "error_type": self.error_type,
+            "created_from": self.created_from,
+            "created_to": self.created_to,
+            "before": before,
+            "limit": limit,
+        }
+
+
+def like_escape(text: str) -> str:
+    """``text`` matched literally inside a LIKE pattern (backslash is LIKE's escape)."""
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def _time(name: str, text: str) -> datetime:
+    try:
+        moment = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise FilterError(
+            f"{name}={text!r} is not a time: use ISO 8601, e.g. 2026-12-01T15:00"
+        ) from None
+    # A time without an offset (what <input type="datetime-local"> sends) is read as UTC,
+    # the zone every time on the dashboard is shown in.
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def parse_filter(params: Mapping[str, str]) -> JobFilter:
+    """The filters of a jobs page from its query string; empty values are no filter."""
+
+    def text(name: str) -> str | None:
+        value = params.get(name, "").strip()
+        return value or None
+
+    state = text("state")
+    if state is not None and state not in STATES:
+        raise FilterError(f"state={state!r} is not a job state: choose one of {', '.join(STATES)}")
+    created_from = text("from")
+    created_to = text("to")
+    return JobFilter(
+        state=state,
+        queue=text("queue"),
+        task=text("task"),
+        args_text=text("args"),
+        error_type=text("error"),
+        created_from=_time("from", created_from) if created_from else None,
+        created_to=_time("to", created_to) if created_to else None,
+    )
+
+
+def parse_before(text: str | None) -> int | None:
+    """The keyset cursor: show jobs with ids below this one."""
+    if not text:
+        return None
+    try:
+        before = int(text)
+    except ValueError:
+        raise FilterError(f"before={text!r} is not a job id") from None
+    if before < 1:
+        raise FilterError(f"before={text!r} is not a job id")
+    return before
+
+
+@dataclass(frozen=True)
+class Page:
+    """One page of jobs, newest first; ``next_before`` is the cursor of the next page."""
+
+    jobs: list[dict[str, Any]]
+    next_before: int | None
+
+
+def merge_page(
+    live: Sequence[dict[str, Any]], finished: Sequence[dict[str, Any]], size: int
+) -> Page:
+    """The newest ``size`` of two id-descending lists (each fetched with ``size + 1`` rows),
+    and the cursor for the rest. A job is in one table only, so ids never repeat."""
+    rows = sorted([*live, *finished], key=lambda row: row["id"], reverse=True)
+    if len(rows) > size:
+        return Page(rows[:size], rows[size - 1]["id"])
+    return Page(rows, None)
+
+
+def jobs_page(conn: Conn, schema: str, where: JobFilter, before: int | None, size: int) -> Page:
+    params = where.params(before=before, limit=size + 1)
+    live: list[dict[str, Any]] = []
+    finished: list[dict[str, Any]] = []
+    with conn.cursor(row_factory=dict_row) as cur:
+        if where.reads_live:
+            live = cur.execute(render(dashboard_sql.JOBS_LIVE_PAGE, schema), params).fetchall()
+        if where.reads_history:
+            finished = cur.execute(
+                render(dashboard_sql.JOBS_HISTORY_PAGE, schema), params
+            ).fetchall()
+    return merge_page(live, finished, size)
+
+
+def matching_live_ids(conn: Conn, schema: str, where: JobFilter) -> list[int]:
+    """Ids of the live jobs a bulk action on "everything matching" acts on."""
+    if not where.reads_live:
+        return []
+    rows = conn.execute(
+        render(dashboard_sql.JOB_IDS_MATCHING, schema),
+        where.params(before=None, limit=BULK_LIMIT),
+    ).fetchall()
+    return [int(row[0]) for row in rows]
+
+
+def job_detail(conn: Conn, schema: str, job_id: int) -> dict[str, Any] | None:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(render(dashboard_sql.JOB_DETAIL, schema), {"id": job_id}).fetchone()
+
+
+def database_now(conn: Conn, schema: str) -> datetime:
+    row = conn.execute(render(dashboard_sql.DASHBOARD_NOW, schema)).fetchone()
+    assert row is not None
+    moment: datetime = row[0]
+    return moment
+
+
+# -- the throughput chart ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bar:
+    x: float
+    height: float
+    minute: datetime
+    completed: int
+    cancelled: int
+
+
+@dataclass(frozen=True)
+class Chart:
+    """Sixty bars, one per minute, as SVG coordinates in a 600 x 120 box."""
+
+    bars: list[Bar]
+    peak: int
+    total: int
+    width: int = 600
+    height: int = 120
+    bar_width: float = field(default=9.0)
+
+
+def throughput_chart(rows: Sequence[Mapping[str, Any]], now: datetime) -> Chart:
+    """Lay out finished jobs per minute for the hour up to ``now``; pure."""
+    end = now.astimezone(UTC).replace(second=0, microsecond=0)
+    minutes = [end - timedelta(minutes=59 - n) for n in range(60)]
+    completed = dict.fromkeys(minutes, 0)
+    cancelled = dict.fromkeys(minutes, 0)
+    for row in rows:
+        minute = row["minute"].astimezone(UTC)
+        if minute in completed:
+            target = completed if row["state"] == "completed" else cancelled
+            target[minute] += int(row["jobs"])
+    peak = max([completed[m] + cancelled[m] for m in minutes] + [0])
+    chart = Chart(bars=[], peak=peak, total=sum(completed.values()) + sum(cancelled.values()))
+    bars = []
+    for n, minute in enumerate(minutes):
+        count = completed[minute] + cancelled[minute]
+        height = 0.0 if peak == 0 else round(count / peak * (chart.height - 10), 1)
+        bars.append(Bar(n * 10.0, height, minute, completed[minute], cancelled[minute]))
+    return replace(chart, bars=bars)
+
+
+def throughput(conn: Conn, schema: str, now: datetime) -> Chart:
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(render(dashboard_sql.THROUGHPUT_LAST_HOUR, schema)).fetchall()
+    return throughput_chart(rows, now)
+
+
+# -- cron --------------------------------------------------------------------------------
+
+
+def cron_rows(conn: Conn, schema: str, app: App | None, now: datetime) -> list[dict[str, Any]]:
+    """Each schedule: its expression and next fire time when the App that defines it was
+    given (the database stores only the last tick), and the last tick the leader
+    enqueued."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        stored = {
+            row["name"]: row
+            for row in cur.execute(render(dashboard_sql.PERIODIC_LIST, schema)).fetchall()
+        }
+    rows: list[dict[str, Any]] = []
+    names = sorted(set(stored) | set(app.periodics if app else ()))
+    for name in names:
+        entry = app.periodics.get(name) if app else None
+        last_tick = stored[name]["last_tick"] if name in stored else None
+        rows.append(
+            {
+                "name": name,
+                "expression": entry.schedule.expression if entry else None,
+                "queue": entry.task.options.queue if entry else None,
+                "missed": entry.missed if entry else None,
+                "last_tick": last_tick,
+                "next_fire": entry.schedule.next_after(max(now, last_tick or now))
+                if entry
+                else None,
+                "registered": entry is not None,
+            }
+        )
+    return rows
+
+
+# -- tracebacks --------------------------------------------------------------------------
+
+# Frames of skiplock's own machinery and of asyncio that sit above every handler's code.
+_MACHINERY = ("/skiplock/executor.py", "/skiplock/worker/", "/asyncio/", "/concurrent/futures/")
+
+
+def traceback_lines(text: str | None) -> list[tuple[str, bool]]:
+    """A stored traceback as (line, is machinery) pairs, so the page can dim the frames of
+    skiplock and asyncio and the handler's own frames stand out; pure."""
+    if not text:
+        return []
+    lines = text.rstrip("\n").split("\n")
+    marked: list[tuple[str, bool]] = []
+    machinery = False
+    for line in lines:
+        stripped = line.lstrip()
+        if stripped.startswith('File "'):
+            machinery = any(part in stripped for part in _MACHINERY)
+        elif not line.startswith(" "):
+            machinery = False  # "Traceback ..." and the final "Type: message" line
+        marked.append((line, machinery))
+    return marked
+
+
+# -- the timeline of one job ---------------------------------------------------------------
+
+
+def timeline(job: Mapping[str, Any]) -> list[tuple[datetime, str]]:
+    """Enqueued, each failed attempt, the last start and the end, in time order; pure."""
+    events: list[tuple[datetime, str]] = [(job["created_at"], "enqueued")]
+    if job.get("run_at") and job["run_at"] > job["created_at"]:
+        events.append((job["run_at"], "due"))
+    for error in job.get("errors") or []:
+        at = error.get("at")
+        if not at:
+            continue
+        try:
+            moment = datetime.fromisoformat(str(at))
+        except ValueError:
+            continue
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=UTC)
+        kind = error.get("type", "error")
+        events.append((moment, f"attempt {error.get('attempt', '?')} failed: {kind}"))
+    if job.get("attempted_at"):
+        events.append((job["attempted_at"], f"attempt {job['attempts']} started"))
+    if job.get("retry_at") and job["state"] == "retryable":
+        events.append((job["retry_at"], "retry due"))
+    if job.get("cancel_requested_at"):
+        events.append((job["cancel_requested_at"], "cancel requested"))
+    if job.get("finished_at"):
+        events.append((job["finished_at"], str(job["state"])))
+    events.sort(key=lambda event: event[0])
+    return events

@@ -1,0 +1,114 @@
+"""The web dashboard's reads: pages of jobs, one job in full, throughput, cron schedules.
+
+Every filter is written ``(%(x)s IS NULL OR ...)``. The dashboard's connections never
+prepare statements server-side, so each statement is planned with its values, and the
+planner drops the filters that are NULL: a filtered page uses the index for its filter
+(migration 0019) instead of a generic plan that fits every combination badly.
+
+Pages are keyset-paginated, newest first: ``id < %(before)s ORDER BY id DESC LIMIT n``
+reads n rows however deep the page, where OFFSET would read and discard every row before
+it (a million on the last page of history).
+"""
+
+# The filters shared by both tables. ``args_text`` is matched against the arguments'
+# JSON text (a LIKE pattern built, escaped, by the caller); ``error_type`` against the
+# class name of any recorded failure; the time range against the enqueue time.
+_FILTERS = """
+  AND (%(queue)s::text IS NULL OR queue = %(queue)s)
+  AND (%(task)s::text IS NULL OR task = %(task)s)
+  AND (%(args_text)s::text IS NULL OR args::text ILIKE %(args_text)s)
+  AND (%(error_type)s::text IS NULL
+       OR errors @> jsonb_build_array(jsonb_build_object('type', %(error_type)s::text)))
+  AND (%(created_from)s::timestamptz IS NULL OR created_at >= %(created_from)s)
+  AND (%(created_to)s::timestamptz IS NULL OR created_at < %(created_to)s)
+  AND (%(before)s::bigint IS NULL OR id < %(before)s)
+"""
+
+# A page of live jobs; the caller asks for one row more than it shows, to know whether
+# there is a next page.
+JOBS_LIVE_PAGE = (
+    """
+SELECT id, queue, task, args, state, priority, run_at, retry_at, attempts, max_attempts,
+       errors, created_at, attempted_at, NULL::timestamptz AS finished_at
+FROM {jobs}
+WHERE (%(state)s::text IS NULL OR state = %(state)s)
+"""
+    + _FILTERS
+    + """
+ORDER BY id DESC
+LIMIT %(limit)s
+"""
+)
+
+JOBS_HISTORY_PAGE = (
+    """
+SELECT id, queue, task, args, state, priority, NULL::timestamptz AS run_at,
+       NULL::timestamptz AS retry_at, attempts, max_attempts, errors, created_at,
+       attempted_at, finished_at
+FROM {history}
+WHERE (%(state)s::text IS NULL OR state = %(state)s)
+"""
+    + _FILTERS
+    + """
+ORDER BY id DESC
+LIMIT %(limit)s
+"""
+)
+
+# Every live job matching the filters, for "retry / cancel / delete all matching": the ids
+# go to the same client functions the CLI uses. Bounded, so that one click cannot build a
+# statement over millions of ids; the page says when the bound was reached.
+JOB_IDS_MATCHING = (
+    """
+SELECT id FROM {jobs}
+WHERE (%(state)s::text IS NULL OR state = %(state)s)
+"""
+    + _FILTERS
+    + """
+ORDER BY id
+LIMIT %(limit)s
+"""
+)
+
+# One job with every column a person may want: its keys and limits too, which the CLI's
+# JOB_GET leaves out.
+JOB_DETAIL = """
+SELECT id, queue, task, args, state, priority, run_at, retry_at, attempts, max_attempts,
+       errors, worker_id, lease_expires_at, created_at, attempted_at, started_at,
+       NULL::timestamptz AS finished_at, NULL::jsonb AS result, progress,
+       cancel_requested_at, unique_key, unique_queued_key, ordering_key, key_limit,
+       key_rate, key_period, worker_ids
+FROM {jobs} WHERE id = %(id)s
+UNION ALL
+SELECT id, queue, task, args, state, priority, NULL, NULL, attempts, max_attempts,
+       errors, NULL, NULL, created_at, attempted_at, started_at, finished_at, result,
+       progress, NULL, unique_key, NULL, ordering_key, NULL, NULL, NULL, worker_ids
+FROM {history} WHERE id = %(id)s
+LIMIT 1
+"""
+
+# Jobs finished per minute over the last hour, by outcome. Reads only the last hour's
+# partition(s) through the finished_at index. Failures are the errors recorded in the
+# hour, wherever their job is now.
+THROUGHPUT_LAST_HOUR = """
+SELECT date_trunc('minute', finished_at) AS minute, state, count(*) AS jobs
+FROM {history}
+WHERE finished_at >= date_trunc('minute', now()) - interval '59 minutes'
+GROUP BY 1, 2
+ORDER BY 1
+"""
+
+# The database's clock, so the chart's minutes and "ago" figures agree with the rows.
+DASHBOARD_NOW = """
+SELECT now()
+"""
+
+# What the leader has recorded of each cron schedule: the last tick enqueued.
+PERIODIC_LIST = """
+SELECT name, last_tick, updated_at FROM {periodic} ORDER BY name
+"""
+
+# Busy slots per worker: its running jobs, through the rescuer's index on running jobs.
+WORKER_BUSY = """
+SELECT worker_id, count(*) FROM {jobs} WHERE state = 'running' GROUP BY worker_id
+"""
