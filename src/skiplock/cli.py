@@ -1044,6 +1044,11 @@ def build_parser() -> argparse.ArgumentParser:
     from skiplock import metrics_command  # noqa: PLC0415 - `skiplock metrics` (issue 13)
 
     metrics_command.add_parser(sub)
+
+    # The web dashboard: its options and its run (set as func) live in its own package.
+    from skiplock.dashboard import command as dashboard_command  # noqa: PLC0415
+
+    dashboard_command.add_parser(sub)
     return parser
 
 

@@ -570,9 +570,7 @@ class Pages:
             len(ids),
             ids,
         )
-        capped = (
-            f" (the first {reads.BULK_LIMIT} matching)" if len(ids) >= reads.BULK_LIMIT else ""
-        )
+        capped = f" (the first {reads.BULK_LIMIT} matching)" if len(ids) >= reads.BULK_LIMIT else ""
         return self.back(request, target, f"{count} of {len(ids)} jobs {done}{capped}")
 
     async def queue_action(self, request: Request) -> Response:

@@ -1,0 +1,118 @@
+"""``skiplock dashboard``: serve the dashboard with uvicorn.
+
+Registered by skiplock.cli, which resolves --database-url, --database-url-env and --schema
+as for every command; this module only adds the dashboard's own options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+from skiplock.config import DEFAULT_SCHEMA, SCHEMA_ENV, resolve_database_url
+from skiplock.dashboard import security
+from skiplock.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from skiplock.app import App
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8089
+
+log = logging.getLogger("skiplock.dashboard")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``dashboard`` to the CLI's subcommands."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "dashboard",
+        help="serve the web dashboard (needs the dashboard extra)",
+        description=(
+            "Serve the web dashboard. On an address other machines can reach, actions need "
+            f"${security.TOKEN_ENV} (or --read-only). See docs/dashboard.md."
+        ),
+    )
+    parser.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help="address to listen on (default %(default)s: this machine only)",
+    )
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="default %(default)s")
+    parser.add_argument(
+        "--read-only", action="store_true", help="show everything, change nothing (no actions)"
+    )
+    parser.add_argument(
+        "--root-path",
+        default="",
+        metavar="PREFIX",
+        help="the path prefix a reverse proxy serves the dashboard under, e.g. /queue",
+    )
+    parser.add_argument(
+        "--app",
+        default=None,
+        metavar="MODULE:APP",
+        help="the skiplock App, to show cron expressions and next fire times",
+    )
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _load_app(spec: str) -> App:
+    from skiplock.app import App  # noqa: PLC0415 - only for the isinstance check
+
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ConfigurationError(f"--app: expected MODULE:APP (e.g. myapp.tasks:app), got {spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"--app: cannot import {module_name!r}: {exc}") from exc
+    app = getattr(module, attribute, None)
+    if not isinstance(app, App):
+        raise ConfigurationError(f"--app {spec!r} is not a skiplock.App")
+    return app
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the options, then serve until interrupted."""
+    try:
+        import uvicorn  # noqa: PLC0415
+
+        from skiplock.dashboard.web import create_app  # noqa: PLC0415
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"the dashboard needs its extra ({exc.name} is missing): "
+            "pip install 'skiplock[dashboard]'"
+        ) from None
+    token = os.environ.get(security.TOKEN_ENV) or None
+    security.check_startup(args.host, token=token, read_only=args.read_only)
+    if not 1 <= args.port <= 65535:
+        raise ConfigurationError(f"--port {args.port}: use 1 to 65535")
+    schema = args.schema or os.environ.get(SCHEMA_ENV) or DEFAULT_SCHEMA
+    app = _load_app(args.app) if args.app else None
+    database_url = resolve_database_url(args.database_url)
+    web = create_app(
+        database_url,
+        schema,
+        read_only=args.read_only,
+        root_path=args.root_path,
+        token=token,
+        app=app,
+    )
+    mode = "read-only" if args.read_only else ("token required" if token else "no token")
+    log.info(
+        "dashboard on http://%s:%d%s/ (%s, schema %s)",
+        args.host,
+        args.port,
+        args.root_path,
+        mode,
+        schema,
+    )
+    uvicorn.run(web, host=args.host, port=args.port, log_level="warning", proxy_headers=True)
+    return 0
