@@ -1,0 +1,616 @@
+"""The web dashboard through its HTTP interface, against the real database.
+
+Pages are read as a browser would get them (Starlette's TestClient); actions are posted
+with the CSRF token the pages hand out, and their effect is checked in the tables.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.types.json import Jsonb
+from starlette.applications import Starlette
+from starlette.routing import Mount
+from starlette.testclient import TestClient
+
+import skiplock
+from conftest import JobFactory, StartWorker
+from skiplock import client
+from skiplock.cli import main
+from skiplock.dashboard import create_app, reads, security
+from skiplock.errors import ConfigurationError
+
+SCHEMA = "skiplock"
+
+
+@pytest.fixture
+def web(app: skiplock.App) -> Iterator[TestClient]:
+    with TestClient(create_app(app.database_url, app.schema)) as test_client:
+        yield test_client
+
+
+def csrf(test_client: TestClient, page: str = "/") -> str:
+    """The CSRF token a page hands out (the cookie; the form field carries the same)."""
+    test_client.get(page)
+    token = test_client.cookies.get(security.CSRF_COOKIE)
+    assert token
+    return str(token)
+
+
+def post(test_client: TestClient, path: str, **fields: Any) -> Any:
+    data = {"csrf": csrf(test_client), "next": "/", **fields}
+    return test_client.post(path, data=data)
+
+
+def add_history(
+    app: skiplock.App,
+    *,
+    task: str = "noop",
+    queue: str = "default",
+    state: str = "completed",
+    args: dict[str, Any] | None = None,
+    result: Any = None,
+    errors: list[dict[str, Any]] | None = None,
+    finished_at: datetime | None = None,
+) -> int:
+    """A finished job, as a worker leaves it in job_history."""
+    with psycopg.connect(app.database_url, autocommit=True) as conn:
+        row = conn.execute(
+            sql.SQL(
+                "INSERT INTO {history} (id, queue, task, args, state, priority, attempts, "
+                "max_attempts, errors, result, created_at, attempted_at, finished_at) "
+                "VALUES (nextval(pg_get_serial_sequence(%s, 'id')), %s, %s, %s, %s, 0, 1, 3, "
+                "%s, %s, now(), now(), coalesce(%s, now())) RETURNING id"
+            ).format(history=sql.Identifier(app.schema, "job_history")),
+            (
+                f"{app.schema}.jobs",
+                queue,
+                task,
+                Jsonb(args or {}),
+                state,
+                Jsonb(errors or []),
+                Jsonb(result),
+                finished_at,
+            ),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def job_state(app: skiplock.App, job_id: int) -> str:
+    with app.connect() as conn:
+        return str(client.get_job(conn, app.schema, job_id).state)
+
+
+def cells(html: str, queue: str) -> dict[str, str]:
+    """The counts of one queue's row on the overview."""
+    row = re.search(rf'<tr data-queue="{re.escape(queue)}">(.*?)</tr>', html, re.S)
+    assert row, f"no row for queue {queue}"
+    found = re.findall(r'data-count="(\w+)">(?:<a[^>]*>)?(\d+)', row[1])
+    return dict(found)
+
+
+ERROR: dict[str, Any] = {
+    "attempt": 1,
+    "at": "2026-12-01T10:00:00+00:00",
+    "type": "PaymentDeclined",
+    "message": "card refused",
+    "traceback": (
+        "Traceback (most recent call last):\n"
+        '  File "/venv/lib/python3.11/site-packages/skiplock/executor.py", line 200, in run\n'
+        "    result = handler(**args)\n"
+        '  File "/srv/shop/tasks.py", line 12, in charge\n'
+        "    raise PaymentDeclined('card refused')\n"
+        "PaymentDeclined: card refused\n"
+    ),
+}
+
+
+# -- pages ----------------------------------------------------------------------------
+
+
+def test_overview_counts_each_state_per_queue(
+    app: skiplock.App, make_job: JobFactory, web: TestClient
+) -> None:
+    for state, count in (("available", 3), ("scheduled", 1), ("retryable", 2), ("dead", 4)):
+        for _ in range(count):
+            make_job(queue="emails", state=state, run_at=datetime.now(UTC) - timedelta(minutes=5))
+    make_job(queue="reports")
+    with app.connect() as conn:
+        conn.execute(
+            f"UPDATE {SCHEMA}.jobs SET state = 'blocked', ordering_key = 'k' "
+            "WHERE id = (SELECT max(id) FROM skiplock.jobs WHERE queue = 'reports')"
+        )
+        client.set_queue_paused(conn, app.schema, "emails", paused=True)
+        client.set_queue_limits(conn, app.schema, "emails", concurrency=5, rate="100/s")
+        conn.commit()
+
+    html = web.get("/").text
+
+    assert cells(html, "emails") == {
+        "available": "3",
+        "scheduled": "1",
+        "running": "0",
+        "retryable": "2",
+        "blocked": "0",
+        "dead": "4",
+    }
+    assert cells(html, "reports")["blocked"] == "1"
+    emails = re.search(r'<tr data-queue="emails">(.*?)</tr>', html, re.S)
+    assert emails
+    assert "paused" in emails[1]
+    assert "≤ 5 running" in emails[1]
+    assert "≤ 100 per 1 s" in emails[1]
+    assert re.search(r"5\.\d min", emails[1]), "the oldest ready age"
+
+
+def test_overview_shows_workers_and_throughput(
+    app: skiplock.App, web: TestClient, start_worker: StartWorker
+) -> None:
+    for _ in range(7):
+        add_history(app)
+    add_history(app, state="cancelled")
+    start_worker(app, queues=["default", "emails"], concurrency=3)
+
+    html = web.get("/").text
+
+    workers = re.search(r'<table class="grid" id="workers">(.*?)</table>', html, re.S)
+    assert workers
+    assert "default, emails" in workers[1]
+    assert re.search(r'<td class="num">3</td><td class="num">0</td>', workers[1])
+    assert "8 jobs in the hour; busiest minute 8" in html
+    assert html.count("<rect ") == 60
+
+
+def test_overview_lists_a_paused_queue_without_jobs(app: skiplock.App, web: TestClient) -> None:
+    with app.connect() as conn:
+        client.set_queue_paused(conn, app.schema, "idle", paused=True)
+        conn.commit()
+
+    assert cells(web.get("/").text, "idle")["available"] == "0"
+
+
+def test_jobs_list_reads_live_jobs_and_history_newest_first(
+    app: skiplock.App, make_job: JobFactory, web: TestClient
+) -> None:
+    live = make_job(task="a")
+    done = add_history(app, task="b")
+    dead = make_job(task="c", state="dead")
+
+    html = web.get("/jobs").text
+
+    order = [int(i) for i in re.findall(r'<tr data-job="(\d+)">', html)]
+    assert order == [dead, done, live]
+    assert [int(i) for i in re.findall(r'data-job="(\d+)"', web.get("/jobs?state=completed").text)]
+    assert re.findall(r'data-job="(\d+)"', web.get("/jobs?state=completed").text) == [str(done)]
+    assert re.findall(r'data-job="(\d+)"', web.get("/jobs?state=dead").text) == [str(dead)]
+
+
+@pytest.mark.parametrize(
+    ("query", "expected"),
+    [
+        ("queue=emails", {"email_live", "email_done"}),
+        ("task=shop.charge", {"charge_dead"}),
+        ("args=order-77", {"charge_dead", "email_done"}),
+        ("args=50%25", {"percent"}),
+        ("error=PaymentDeclined", {"charge_dead"}),
+        ("state=available&queue=emails", {"email_live"}),
+        ("from=2000-01-01T00:00&to=2000-01-03T00:00", {"old"}),
+    ],
+)
+def test_jobs_filters(
+    app: skiplock.App, make_job: JobFactory, web: TestClient, query: str, expected: set[str]
+) -> None:
+    ids = {
+        "email_live": make_job(task="shop.email", queue="emails", args={"to": "a@example.com"}),
+        "email_done": add_history(
+            app, task="shop.email", queue="emails", args={"order": "order-77"}
+        ),
+        "charge_dead": make_job(
+            task="shop.charge", state="dead", args={"order": "order-77"}, errors=[ERROR]
+        ),
+        "percent": make_job(task="shop.discount", args={"off": "50%"}),
+        "old": make_job(task="shop.old"),
+    }
+    with app.connect() as conn:
+        conn.execute(
+            f"UPDATE {SCHEMA}.jobs SET created_at = '2000-01-02T00:00Z' WHERE id = %s",
+            (ids["old"],),
+        )
+        conn.commit()
+
+    html = web.get(f"/jobs?{query}").text
+
+    shown = {int(i) for i in re.findall(r'<tr data-job="(\d+)">', html)}
+    assert shown == {ids[name] for name in expected}
+
+
+def test_jobs_bad_filters_are_named(web: TestClient) -> None:
+    response = web.get("/jobs?state=finished")
+    assert response.status_code == 400
+    assert "state=&#39;finished&#39; is not a job state" in response.text
+    response = web.get("/jobs?from=yesterday")
+    assert response.status_code == 400
+    assert "is not a time" in response.text
+    assert web.get("/jobs?before=abc").status_code == 400
+
+
+def test_jobs_pages_by_keyset_across_live_jobs_and_history(
+    app: skiplock.App, make_job: JobFactory, web: TestClient
+) -> None:
+    made = []
+    for n in range(120):
+        made.append(make_job(args={"n": n}) if n % 2 else add_history(app, args={"n": n}))
+    newest_first = sorted(made, reverse=True)
+
+    seen: list[int] = []
+    url: str | None = "/jobs"
+    pages = 0
+    while url:
+        html = web.get(url).text
+        seen += [int(i) for i in re.findall(r'<tr data-job="(\d+)">', html)]
+        link = re.search(r'href="([^"]+)" id="next-page"', html)
+        url = link[1].replace("&amp;", "&") if link else None
+        if url:
+            assert "before=" in url and "offset" not in url
+        pages += 1
+
+    assert pages == 3
+    assert seen == newest_first
+
+
+def test_job_page_shows_everything_about_a_job(
+    app: skiplock.App, make_job: JobFactory, web: TestClient
+) -> None:
+    job_id = make_job(task="shop.charge", state="dead", args={"order": 7}, errors=[ERROR])
+    with app.connect() as conn:
+        conn.execute(
+            f"UPDATE {SCHEMA}.jobs SET ordering_key = 'customer-9', key_limit = 2, "
+            "key_rate = 10, key_period = 60, progress = '{\"step\": 3}' WHERE id = %s",
+            (job_id,),
+        )
+        conn.commit()
+    done = add_history(app, task="shop.total", result={"total": 42})
+
+    html = web.get(f"/jobs/{job_id}").text
+    assert '<span class="state state-dead" id="job-state">dead</span>' in html
+    assert "&#34;order&#34;: 7" in html
+    assert "&#34;step&#34;: 3" in html
+    assert "customer-9" in html and "at most 2 at once" in html and "at most 10 per 60 s" in html
+    assert "PaymentDeclined</span>: card refused" in html
+    # The traceback line by line, skiplock's own frame dimmed, the handler's not.
+    assert re.search(r'<span class="machinery">\s+File &#34;[^&]*skiplock/executor.py', html)
+    assert re.search(r"<span>\s+File &#34;/srv/shop/tasks.py&#34;", html)
+    assert "attempt 1 failed: PaymentDeclined" in html and "enqueued" in html
+
+    finished = web.get(f"/jobs/{done}").text
+    assert "&#34;total&#34;: 42" in finished and "completed" in finished
+    assert 'id="retry"' not in finished and 'id="cancel"' not in finished
+
+    missing = web.get("/jobs/987654")
+    assert missing.status_code == 404
+    assert "no job with id 987654" in missing.text
+
+
+def test_cron_page_shows_schedules_with_next_fire(app: skiplock.App) -> None:
+    @app.periodic("*/5 * * * *", name="reports.nightly", queue="reports")
+    def nightly() -> None: ...
+
+    with app.connect() as conn:
+        conn.execute(
+            f"INSERT INTO {SCHEMA}.periodic (name, last_tick) VALUES "
+            "('reports.nightly', now() - interval '3 minutes'), ('gone.task', now())"
+        )
+        conn.commit()
+    with TestClient(create_app(app.database_url, app.schema, app=app)) as web:
+        html = web.get("/cron").text
+
+    row = re.search(r"reports\.nightly</a></td>(.*?)</tr>", html, re.S)
+    assert row
+    assert "*/5 * * * *" in row[1] and "reports" in row[1]
+    fire = re.findall(r"(\d{4}-\d\d-\d\d \d\d:(\d\d):00Z)", row[1])
+    assert fire and int(fire[-1][1]) % 5 == 0, "the next fire falls on a 5-minute mark"
+    assert "gone.task" in html, "a schedule the App no longer defines still shows its last tick"
+
+
+# -- actions -----------------------------------------------------------------------------
+
+
+def test_retry_cancel_and_delete_one_job(
+    app: skiplock.App, make_job: JobFactory, web: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="skiplock.dashboard")
+    dead = make_job(state="dead", attempts=3)
+    waiting = make_job()
+    doomed = make_job(state="dead")
+
+    response = post(web, f"/jobs/{dead}/retry", next=f"/jobs/{dead}")
+    assert response.status_code == 200
+    assert f"job {dead}: retry done" in response.text
+    assert job_state(app, dead) == "available"
+    post(web, f"/jobs/{waiting}/cancel")
+    assert job_state(app, waiting) == "cancelled"
+    post(web, f"/jobs/{doomed}/delete")
+    with app.connect() as conn, pytest.raises(skiplock.JobNotFoundError):
+        client.get_job(conn, app.schema, doomed)
+
+    logged = [r.getMessage() for r in caplog.records if r.name == "skiplock.dashboard"]
+    assert any("retry by testclient" in m and f"[{dead}]" in m for m in logged), logged
+    assert any("delete by testclient" in m and f"[{doomed}]" in m for m in logged), logged
+
+
+def test_an_action_that_cannot_apply_says_why(app: skiplock.App, web: TestClient) -> None:
+    done = add_history(app)
+    response = post(web, f"/jobs/{done}/retry")
+    assert "has finished (completed) and is in history" in response.text
+
+
+def test_cancel_asks_the_worker_of_a_running_job(
+    app: skiplock.App, make_job: JobFactory, web: TestClient
+) -> None:
+    import uuid  # noqa: PLC0415
+
+    running = make_job(
+        state="running",
+        attempts=1,
+        worker_id=uuid.uuid4(),
+        lease_expires_at=datetime.now(UTC) + timedelta(minutes=5),
+    )
+    post(web, f"/jobs/{running}/cancel")
+    with app.connect() as conn:
+        assert client.get_job(conn, app.schema, running).cancel_requested_at is not None
+
+
+def test_bulk_actions_on_a_selection_and_on_every_match(
+    app: skiplock.App, make_job: JobFactory, web: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="skiplock.dashboard")
+    first, second, third = (make_job(state="dead", queue="emails") for _ in range(3))
+    other = make_job(state="dead", queue="reports")
+
+    response = web.post(
+        "/bulk",
+        data={"csrf": csrf(web), "action": "retry", "ids": [str(first), str(second)], "next": "/"},
+    )
+    assert "2 of 2 jobs made available again" in response.text
+    assert [job_state(app, i) for i in (first, second, third)] == ["available", "available", "dead"]
+
+    response = post(web, "/bulk", action="retry:matching", state="dead", queue="emails")
+    assert "1 of 1 jobs made available again" in response.text
+    assert job_state(app, third) == "available"
+    assert job_state(app, other) == "dead"
+    assert any(
+        "all matching" in r.getMessage() and f"[{third}]" in r.getMessage() for r in caplog.records
+    )
+
+    response = post(web, "/bulk", action="delete:matching", queue="emails")
+    assert "3 of 3 jobs deleted" in response.text
+    assert post(web, "/bulk", action="explode").status_code == 400
+
+
+def test_pause_resume_and_limit_a_queue(
+    app: skiplock.App, make_job: JobFactory, web: TestClient
+) -> None:
+    make_job(queue="emails")
+
+    post(web, "/queues/emails/pause")
+    with app.connect() as conn:
+        assert client.paused_queues(conn, app.schema) == ["emails"]
+    assert "Resume" in web.get("/").text
+    post(web, "/queues/emails/resume")
+    with app.connect() as conn:
+        assert client.paused_queues(conn, app.schema) == []
+
+    post(web, "/queues/emails/limits", concurrency="4", rate="600/minute")
+    with app.connect() as conn:
+        (row,) = client.list_queues(conn, app.schema)
+    assert (row["concurrency_limit"], row["rate_limit"], row["rate_period"]) == (4, 600, 60.0)
+
+    response = post(web, "/queues/emails/limits", concurrency="many")
+    assert response.status_code == 400
+    assert "concurrency &#39;many&#39; is not a whole number" in response.text
+    response = post(web, "/queues/emails/limits", rate="fast")
+    assert response.status_code == 400
+    assert "write jobs/period" in response.text
+
+    post(web, "/queues/emails/limits")
+    with app.connect() as conn:
+        (row,) = client.list_queues(conn, app.schema)
+    assert row["concurrency_limit"] is None and row["rate_limit"] is None
+
+
+# -- security ------------------------------------------------------------------------------
+
+
+def test_read_only_hides_and_refuses_actions(app: skiplock.App, make_job: JobFactory) -> None:
+    dead = make_job(state="dead", queue="emails")
+    with TestClient(create_app(app.database_url, app.schema, read_only=True)) as web:
+        for page in ("/", "/jobs", f"/jobs/{dead}"):
+            html = web.get(page).text
+            assert 'method="post"' not in html, page
+            assert "read-only" in html
+        response = post(web, f"/jobs/{dead}/retry")
+        assert response.status_code == 403
+        assert "read-only" in response.text
+        assert post(web, "/queues/emails/pause").status_code == 403
+        assert post(web, "/bulk", action="delete:matching").status_code == 403
+    assert job_state(app, dead) == "dead"
+    with app.connect() as conn:
+        assert client.paused_queues(conn, app.schema) == []
+
+
+def test_actions_without_the_csrf_token_or_from_another_site_are_refused(
+    app: skiplock.App, make_job: JobFactory, web: TestClient
+) -> None:
+    dead = make_job(state="dead")
+    assert web.post(f"/jobs/{dead}/retry", data={"next": "/"}).status_code == 403
+    assert web.post(f"/jobs/{dead}/retry", data={"csrf": "guess"}).status_code == 403
+    response = web.post(
+        f"/jobs/{dead}/retry",
+        data={"csrf": csrf(web)},
+        headers={"Origin": "https://evil.example"},
+    )
+    assert response.status_code == 403
+    assert "another site" in response.text
+    assert job_state(app, dead) == "dead"
+    # The same form from the dashboard's own origin goes through.
+    response = web.post(
+        f"/jobs/{dead}/retry",
+        data={"csrf": csrf(web), "next": "/"},
+        headers={"Origin": "http://testserver"},
+    )
+    assert response.status_code == 200
+    assert job_state(app, dead) == "available"
+
+
+def test_a_token_guards_every_page_and_action(app: skiplock.App, make_job: JobFactory) -> None:
+    dead = make_job(state="dead")
+    with TestClient(create_app(app.database_url, app.schema, token="s3cret-token")) as web:
+        response = web.get("/jobs", follow_redirects=False)
+        assert response.status_code == 303
+        assert response.headers["location"].startswith("/login?next=")
+        assert post(web, f"/jobs/{dead}/retry").status_code == 403
+        assert job_state(app, dead) == "dead"
+
+        bearer = {"Authorization": "Bearer s3cret-token"}
+        assert web.get("/jobs", headers=bearer).status_code == 200
+        assert (
+            web.get(
+                "/jobs", headers={"Authorization": "Bearer wrong"}, follow_redirects=False
+            ).status_code
+            == 303
+        )
+
+        token_csrf = csrf(web, "/login")
+        wrong = web.post("/login", data={"csrf": token_csrf, "token": "nope", "next": "/"})
+        assert wrong.status_code == 403
+        signed = web.post(
+            "/login", data={"csrf": token_csrf, "token": "s3cret-token", "next": "/jobs"}
+        )
+        assert signed.status_code == 200
+        assert "s3cret-token" not in (web.cookies.get(security.AUTH_COOKIE) or "")
+        post(web, f"/jobs/{dead}/retry")
+        assert job_state(app, dead) == "available"
+
+
+def test_a_reachable_address_needs_a_token_or_read_only(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert security.is_loopback("127.0.0.1") and security.is_loopback("::1")
+    assert security.is_loopback("localhost")
+    assert not security.is_loopback("0.0.0.0") and not security.is_loopback("example.com")
+    security.check_startup("127.0.0.1", token=None, read_only=False)
+    security.check_startup("0.0.0.0", token=None, read_only=True)
+    security.check_startup("0.0.0.0", token="t", read_only=False)
+    with pytest.raises(ConfigurationError, match="SKIPLOCK_DASHBOARD_TOKEN"):
+        security.check_startup("0.0.0.0", token=None, read_only=False)
+
+    monkeypatch.delenv(security.TOKEN_ENV, raising=False)
+    assert main(["--database-url", "postgresql://nowhere/x", "dashboard", "--host", "0.0.0.0"]) == 2
+    assert "SKIPLOCK_DASHBOARD_TOKEN" in capsys.readouterr().err
+
+
+def test_arguments_are_escaped_everywhere(app: skiplock.App, make_job: JobFactory) -> None:
+    hostile = "<script>window.__pwned=1</script>"
+    job_id = make_job(
+        task="t", queue="q<b>", args={"html": hostile}, state="dead",
+        errors=[{**ERROR, "message": hostile, "traceback": hostile}],
+    )  # fmt: skip
+    with TestClient(create_app(app.database_url, app.schema)) as web:
+        for page in ("/", "/jobs", f"/jobs/{job_id}", "/jobs?args=%3Cscript%3E"):
+            response = web.get(page)
+            assert "<script>window" not in response.text, page
+            assert "<b>" not in response.text, page
+            assert "default-src 'self'" in response.headers["content-security-policy"]
+        assert "&lt;script&gt;window.__pwned=1&lt;/script&gt;" in web.get(f"/jobs/{job_id}").text
+
+
+def test_next_never_leaves_the_dashboard(
+    app: skiplock.App, make_job: JobFactory, web: TestClient
+) -> None:
+    dead = make_job(state="dead")
+    response = web.post(
+        f"/jobs/{dead}/retry",
+        data={"csrf": csrf(web), "next": "//evil.example/x"},
+        follow_redirects=False,
+    )
+    assert response.headers["location"] == "/"
+
+
+# -- mounting ---------------------------------------------------------------------------
+
+
+def test_mounted_under_a_prefix_links_stay_under_it(
+    app: skiplock.App, make_job: JobFactory
+) -> None:
+    dead = make_job(state="dead")
+    outer = Starlette(routes=[Mount("/ops/queue", create_app(app.database_url, app.schema))])
+    with TestClient(outer) as web:
+        html = web.get("/ops/queue/").text
+        assert 'href="/ops/queue/jobs"' in html
+        assert 'href="/ops/queue/static/dashboard.css"' in html
+        assert web.get("/ops/queue/static/dashboard.js").status_code == 200
+        assert f'href="/ops/queue/jobs/{dead}"' in web.get("/ops/queue/jobs").text
+        response = web.post(
+            f"/ops/queue/jobs/{dead}/retry",
+            data={"csrf": csrf(web, "/ops/queue/"), "next": "/jobs"},
+            follow_redirects=False,
+        )
+        assert response.headers["location"] == "/ops/queue/jobs"
+    assert job_state(app, dead) == "available"
+
+
+def test_behind_a_proxy_that_strips_the_root_path(app: skiplock.App) -> None:
+    with TestClient(create_app(app.database_url, app.schema, root_path="/q")) as web:
+        html = web.get("/jobs").text
+        assert 'href="/q/static/dashboard.css"' in html
+        assert 'data-refresh="/q/jobs?fragment=1"' in html
+    with pytest.raises(ConfigurationError, match="root_path"):
+        create_app(app.database_url, app.schema, root_path="q/")
+
+
+def test_fragment_is_the_live_part_only(web: TestClient, make_job: JobFactory) -> None:
+    make_job()
+    full = web.get("/jobs?state=available").text
+    part = web.get("/jobs?state=available&fragment=1").text
+    assert "<html" in full and 'data-refresh="/jobs?state=available&amp;fragment=1"' in full
+    assert "<html" not in part and 'id="jobs"' in part
+
+
+def test_an_unmigrated_schema_names_the_command(app: skiplock.App) -> None:
+    with TestClient(create_app(app.database_url, "not_migrated")) as web:
+        response = web.get("/")
+    assert response.status_code == 503
+    assert "skiplock migrate" in response.text
+
+
+# -- pure decisions -------------------------------------------------------------------
+
+
+def test_merge_page_keeps_the_newest_and_the_cursor() -> None:
+    live = [{"id": 9}, {"id": 5}, {"id": 2}]
+    finished = [{"id": 8}, {"id": 4}]
+    page = reads.merge_page(live, finished, 3)
+    assert [j["id"] for j in page.jobs] == [9, 8, 5]
+    assert page.next_before == 5
+    assert reads.merge_page([{"id": 1}], [], 3).next_before is None
+
+
+def test_like_escape_matches_literally() -> None:
+    assert reads.like_escape("50%_a\\b") == "50\\%\\_a\\\\b"
+
+
+def test_traceback_lines_mark_machinery() -> None:
+    marked = reads.traceback_lines(ERROR["traceback"])
+    machinery = [line for line, dim in marked if dim]
+    own = [line for line, dim in marked if not dim]
+    assert any("executor.py" in line for line in machinery)
+    assert any("/srv/shop/tasks.py" in line for line in own)
+    assert own[-1] == "PaymentDeclined: card refused"
