@@ -1,0 +1,293 @@
+"""The dashboard in a real browser: Debian's Chromium driven by Playwright.
+
+The dashboard runs under uvicorn on a free port in a thread; workers are real
+``skiplock.Worker``s. Playwright's own browser download is not used: the tests drive the
+system Chromium (``apt-get install chromium``; scripts/test installs it when it can) and
+skip, saying so, only when it is absent. Each page visited is saved as a screenshot under
+artifacts/screenshots/ (see docs/dashboard.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import skiplock
+from conftest import JobFactory, StartWorker, wait_until
+from skiplock import client
+from skiplock.dashboard import create_app
+
+playwright_sync = pytest.importorskip(
+    "playwright.sync_api", reason="playwright is not installed (it is in the dev extra)"
+)
+uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is not installed (the dashboard extra)")
+
+CHROMIUM = "/usr/bin/chromium"
+if not Path(CHROMIUM).exists() and shutil.which("chromium") is None:
+    pytest.skip(
+        f"no system Chromium at {CHROMIUM}: install it with `apt-get install chromium` "
+        "(scripts/test does when run as root)",
+        allow_module_level=True,
+    )
+
+SCREENSHOTS = Path(__file__).resolve().parents[2] / "artifacts" / "screenshots"
+# Seconds Playwright waits for something to appear (the page polls every 0.3 s).
+EXPECT_MS = 20_000
+
+Page = Any  # playwright.sync_api.Page
+
+
+class DashboardServer:
+    """uvicorn serving ``create_app`` on a free local port, in a thread."""
+
+    def __init__(self, owner: skiplock.App, **options: Any) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        web = create_app(owner.database_url, owner.schema, refresh_seconds=0.3, **options)
+        config = uvicorn.Config(web, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="dashboard", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> DashboardServer:
+        self.thread.start()
+        wait_until(lambda: self.server.started, 20.0, "the dashboard to start")
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(20.0)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with playwright_sync.sync_playwright() as playwright:
+        launched = playwright.chromium.launch(
+            executable_path=CHROMIUM if Path(CHROMIUM).exists() else shutil.which("chromium"),
+            headless=True,
+            args=["--no-sandbox"],
+        )
+        yield launched
+        launched.close()
+
+
+Serve = Callable[..., DashboardServer]
+
+
+@pytest.fixture
+def serve(app: skiplock.App) -> Iterator[Serve]:
+    started: list[DashboardServer] = []
+
+    def start(**options: Any) -> DashboardServer:
+        started.append(DashboardServer(app, **options).start())
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Page]:
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    opened = context.new_page()
+    opened.set_default_timeout(EXPECT_MS)
+    opened.on("dialog", lambda dialog: dialog.accept())
+    yield opened
+    context.close()
+
+
+def screenshot(page: Page, name: str) -> None:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+
+
+def expect(target: Any) -> Any:
+    return playwright_sync.expect(target)
+
+
+def test_overview_shows_a_queues_counts(
+    app: skiplock.App, make_job: JobFactory, serve: Serve, page: Page
+) -> None:
+    for _ in range(3):
+        make_job(queue="emails", task="shop.send_receipt", args={"order_id": 1})
+    make_job(queue="emails", state="dead", task="shop.send_receipt")
+    make_job(queue="reports", task="shop.nightly", state="scheduled")
+    server = serve()
+
+    page.goto(server.url + "/")
+
+    row = page.locator('tr[data-queue="emails"]')
+    expect(row.locator('[data-count="available"]')).to_have_text("3")
+    expect(row.locator('[data-count="dead"]')).to_have_text("1")
+    expect(page.locator('tr[data-queue="reports"] [data-count="scheduled"]')).to_have_text("1")
+    # The live part refreshes by itself: a new job shows without a reload.
+    make_job(queue="emails", task="shop.send_receipt")
+    expect(row.locator('[data-count="available"]')).to_have_text("4")
+    screenshot(page, "overview")
+
+
+def test_filtering_finds_a_job_by_an_argument(
+    app: skiplock.App, make_job: JobFactory, serve: Serve, page: Page
+) -> None:
+    for n in range(20):
+        make_job(task="shop.send_receipt", args={"order_id": 1000 + n})
+    wanted = make_job(task="shop.refund", args={"order_id": 4242, "reason": "damaged"})
+    server = serve()
+
+    page.goto(server.url + "/jobs")
+    page.fill('input[name="args"]', "4242")
+    page.click('#filters button[type="submit"]')
+
+    expect(page.locator("#jobs tbody tr")).to_have_count(1)
+    expect(page.locator(f'tr[data-job="{wanted}"]')).to_contain_text("shop.refund")
+    screenshot(page, "jobs-filtered")
+    page.goto(server.url + "/jobs")
+    screenshot(page, "jobs")
+
+
+def test_a_dead_job_retried_from_its_page_completes(
+    app: skiplock.App, make_job: JobFactory, serve: Serve, page: Page, start_worker: StartWorker
+) -> None:
+    @app.task(name="shop.charge")
+    def charge(order_id: int) -> dict[str, int]:
+        return {"charged": order_id}
+
+    error = {
+        "attempt": 3,
+        "at": "2026-12-01T10:00:00+00:00",
+        "type": "TimeoutError",
+        "message": "the payment service did not answer",
+        "traceback": 'Traceback (most recent call last):\n  File "/srv/shop/tasks.py", '
+        "line 12, in charge\n    gateway.charge(order_id)\nTimeoutError: the payment "
+        "service did not answer\n",
+    }
+    dead = make_job(
+        task="shop.charge", args={"order_id": 77}, state="dead", attempts=3, errors=[error]
+    )
+    server = serve()
+
+    page.goto(f"{server.url}/jobs/{dead}")
+    expect(page.locator("#job-state")).to_have_text("dead")
+    screenshot(page, "job-dead")
+    page.click("#retry")
+    expect(page.locator(".notice")).to_contain_text(f"job {dead}: retry done")
+    start_worker(app, poll_interval=0.05)
+
+    expect(page.locator("#job-state")).to_have_text("completed")
+    expect(page.locator("#result")).to_contain_text('"charged": 77')
+    screenshot(page, "job")
+    # The overview with the worker alive and the finished job in the chart.
+    page.goto(server.url + "/")
+    expect(page.locator("#workers tbody")).to_contain_text("default")
+    expect(page.locator("figcaption")).to_contain_text("1 jobs in the hour")
+    screenshot(page, "overview-worker")
+
+
+def test_a_running_job_is_cancelled(
+    app: skiplock.App, serve: Serve, page: Page, start_worker: StartWorker
+) -> None:
+    started = threading.Event()
+
+    @app.task(name="shop.export")
+    async def export() -> None:
+        started.set()
+        await asyncio.sleep(60)  # async handlers are cancelled outright
+
+    with app.connect() as conn:
+        job_id = int(export.enqueue(conn))
+        conn.commit()
+    start_worker(app, poll_interval=0.05)
+    assert started.wait(15)
+    server = serve()
+
+    page.goto(f"{server.url}/jobs/{job_id}")
+    expect(page.locator("#job-state")).to_have_text("running")
+    page.click("#cancel")
+
+    expect(page.locator("#job-state")).to_have_text("cancelled")
+
+
+def test_a_queue_is_paused_and_resumed(
+    app: skiplock.App, make_job: JobFactory, serve: Serve, page: Page
+) -> None:
+    make_job(queue="emails")
+    server = serve()
+    page.goto(server.url + "/")
+    row = page.locator('tr[data-queue="emails"]')
+
+    row.locator("button.queue-toggle").click()
+    expect(row.locator(".queue-state")).to_have_text("paused")
+    with app.connect() as conn:
+        assert client.paused_queues(conn, app.schema) == ["emails"]
+    screenshot(page, "overview-paused")
+
+    page.locator('tr[data-queue="emails"] button.queue-toggle').click()
+    expect(page.locator('tr[data-queue="emails"] .queue-state')).to_have_text("active")
+    with app.connect() as conn:
+        assert client.paused_queues(conn, app.schema) == []
+
+
+def test_read_only_mode_hides_actions(
+    app: skiplock.App, make_job: JobFactory, serve: Serve, page: Page
+) -> None:
+    dead = make_job(queue="emails", state="dead")
+    server = serve(read_only=True)
+
+    for path in ("/", "/jobs?state=dead", f"/jobs/{dead}"):
+        page.goto(server.url + path)
+        expect(page.locator("#read-only")).to_be_visible()
+        expect(page.locator("main button")).to_have_count(1 if path.startswith("/jobs?") else 0)
+        expect(page.locator("form[method=post]")).to_have_count(0)
+    screenshot(page, "job-read-only")
+
+
+def test_an_escaped_script_argument_does_not_execute(
+    app: skiplock.App, make_job: JobFactory, serve: Serve, page: Page
+) -> None:
+    hostile = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
+    job_id = make_job(task="shop.hostile", args={"note": hostile}, state="dead")
+    server = serve()
+
+    for path in ("/", "/jobs", f"/jobs/{job_id}", "/jobs?args=script"):
+        page.goto(server.url + path)
+        page.wait_for_load_state("load")
+        assert page.evaluate("window.__pwned") is None, path
+    expect(page.locator("#args")).to_have_count(0)  # the list page has no #args
+    page.goto(f"{server.url}/jobs/{job_id}")
+    expect(page.locator("#args")).to_contain_text("<script>window.__pwned = 1</script>")
+    # Wait for a few refreshes (the fragment is swapped in by innerHTML) and check again.
+    deadline = time.monotonic() + 5
+    while page.evaluate("Number(document.getElementById('live').dataset.refreshed || 0)") < 2:
+        assert time.monotonic() < deadline, "the page did not refresh"
+        page.wait_for_timeout(100)
+    assert page.evaluate("window.__pwned") is None
+
+
+def test_cron_and_dead_pages(app: skiplock.App, make_job: JobFactory, page: Page) -> None:
+    @app.periodic("*/15 * * * *", name="shop.nightly_report", queue="reports")
+    def nightly_report() -> None: ...
+
+    make_job(task="shop.charge", state="dead", args={"order_id": 5})
+    server = DashboardServer(app, app=app).start()
+    try:
+        page.goto(server.url + "/cron")
+        expect(page.locator("#cron")).to_contain_text("*/15 * * * *")
+        screenshot(page, "cron")
+        page.goto(server.url + "/jobs?state=dead")
+        expect(page.locator("#retry-all")).to_be_visible()
+        screenshot(page, "dead")
+    finally:
+        server.stop()
