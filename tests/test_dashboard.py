@@ -202,7 +202,8 @@ def test_jobs_list_reads_live_jobs_and_history_newest_first(
         ("args=50%25", {"percent"}),
         ("error=PaymentDeclined", {"charge_dead"}),
         ("state=available&queue=emails", {"email_live"}),
-        ("from=2000-01-01T00:00&to=2000-01-03T00:00", {"old"}),
+        # Live jobs by when they were enqueued, finished ones by when they finished.
+        ("from=2000-01-01T00:00&to=2000-01-03T00:00", {"old", "old_done"}),
     ],
 )
 def test_jobs_filters(
@@ -218,6 +219,7 @@ def test_jobs_filters(
         ),
         "percent": make_job(task="shop.discount", args={"off": "50%"}),
         "old": make_job(task="shop.old"),
+        "old_done": add_history(app, finished_at=datetime(2000, 1, 2, 12, tzinfo=UTC)),
     }
     with app.connect() as conn:
         conn.execute(

@@ -871,6 +871,15 @@ def run(
             ]
             if drain_median is not None:
                 fig.extra["vs_drain"] = round(fig.median / drain_median, 2)
+        elif scenario == "dashboard":
+            # Median render time of each dashboard page: --jobs live jobs, --history-rows.
+            from skiplock.dashboard import bench as dashboard_bench  # noqa: PLC0415
+
+            for name, times in dashboard_bench.page_timings(
+                url, history_rows=history_rows, live_jobs=jobs, samples=max(5, runs * 4)
+            ):
+                report(Figure(f"dashboard {name}", "ms", times))
+            continue
         elif scenario == "pressure":
             names = ("warm-up", "clean", "held", "recovery")
             phases = [

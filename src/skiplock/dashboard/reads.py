@@ -45,8 +45,8 @@ class JobFilter:
     task: str | None = None
     args_text: str | None = None
     error_type: str | None = None
-    created_from: datetime | None = None
-    created_to: datetime | None = None
+    time_from: datetime | None = None
+    time_to: datetime | None = None
 
     @property
     def reads_live(self) -> bool:
@@ -64,8 +64,8 @@ class JobFilter:
             "task": self.task,
             "args": self.args_text,
             "error": self.error_type,
-            "from": self.created_from.isoformat() if self.created_from else None,
-            "to": self.created_to.isoformat() if self.created_to else None,
+            "from": self.time_from.isoformat() if self.time_from else None,
+            "to": self.time_to.isoformat() if self.time_to else None,
         }
         return {k: v for k, v in values.items() if v}
 
@@ -77,8 +77,8 @@ class JobFilter:
             "task": self.task,
             "args_text": f"%{like_escape(self.args_text)}%" if self.args_text else None,
             "error_type": self.error_type,
-            "created_from": self.created_from,
-            "created_to": self.created_to,
+            "time_from": self.time_from,
+            "time_to": self.time_to,
             "before": before,
             "limit": limit,
         }
@@ -111,16 +111,16 @@ def parse_filter(params: Mapping[str, str]) -> JobFilter:
     state = text("state")
     if state is not None and state not in STATES:
         raise FilterError(f"state={state!r} is not a job state: choose one of {', '.join(STATES)}")
-    created_from = text("from")
-    created_to = text("to")
+    time_from = text("from")
+    time_to = text("to")
     return JobFilter(
         state=state,
         queue=text("queue"),
         task=text("task"),
         args_text=text("args"),
         error_type=text("error"),
-        created_from=_time("from", created_from) if created_from else None,
-        created_to=_time("to", created_to) if created_to else None,
+        time_from=_time("from", time_from) if time_from else None,
+        time_to=_time("to", time_to) if time_to else None,
     )
 
 
@@ -184,6 +184,12 @@ def matching_live_ids(conn: Conn, schema: str, where: JobFilter) -> list[int]:
 def job_detail(conn: Conn, schema: str, job_id: int) -> dict[str, Any] | None:
     with conn.cursor(row_factory=dict_row) as cur:
         return cur.execute(render(dashboard_sql.JOB_DETAIL, schema), {"id": job_id}).fetchone()
+
+
+def queue_counts(conn: Conn, schema: str) -> list[dict[str, Any]]:
+    """Per queue: jobs in each live state, the oldest ready age, workers serving it."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(render(dashboard_sql.QUEUE_COUNTS, schema)).fetchall()
 
 
 def database_now(conn: Conn, schema: str) -> datetime:

@@ -373,7 +373,7 @@ class Pages:
 
         def work(conn: psycopg.Connection[Any]) -> dict[str, Any]:
             now = reads.database_now(conn, dashboard.schema)
-            stats = {row["queue"]: row for row in client.queue_stats(conn, dashboard.schema)}
+            stats = {row["queue"]: row for row in reads.queue_counts(conn, dashboard.schema)}
             settings = {row["name"]: row for row in client.list_queues(conn, dashboard.schema)}
             busy = dict(
                 conn.execute(render(dashboard_sql.WORKER_BUSY, dashboard.schema)).fetchall()

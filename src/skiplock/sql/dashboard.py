@@ -10,19 +10,27 @@ reads n rows however deep the page, where OFFSET would read and discard every ro
 it (a million on the last page of history).
 """
 
-# The filters shared by both tables. ``args_text`` is matched against the arguments'
-# JSON text (a LIKE pattern built, escaped, by the caller); ``error_type`` against the
-# class name of any recorded failure; the time range against the enqueue time.
-_FILTERS = """
+
+def _filters(time_column: str) -> str:
+    """The filters shared by both tables. ``args_text`` is matched against the arguments'
+    JSON text (a LIKE pattern built, escaped, by the caller); ``error_type`` against the
+    class name of any recorded failure; the time range against ``time_column``: when a
+    live job was enqueued, when a finished one finished (the column history is
+    partitioned and indexed by, so a range reads only its days). ``errors <> '[]'`` is
+    implied by the error filter and written out so that the planner can use the index of
+    failed history rows (0019)."""
+    return """
   AND (%(queue)s::text IS NULL OR queue = %(queue)s)
   AND (%(task)s::text IS NULL OR task = %(task)s)
   AND (%(args_text)s::text IS NULL OR args::text ILIKE %(args_text)s)
   AND (%(error_type)s::text IS NULL
-       OR errors @> jsonb_build_array(jsonb_build_object('type', %(error_type)s::text)))
-  AND (%(created_from)s::timestamptz IS NULL OR created_at >= %(created_from)s)
-  AND (%(created_to)s::timestamptz IS NULL OR created_at < %(created_to)s)
+       OR (errors <> '[]'::jsonb
+           AND errors @> jsonb_build_array(jsonb_build_object('type', %(error_type)s::text))))
+  AND (%(time_from)s::timestamptz IS NULL OR {time} >= %(time_from)s)
+  AND (%(time_to)s::timestamptz IS NULL OR {time} < %(time_to)s)
   AND (%(before)s::bigint IS NULL OR id < %(before)s)
-"""
+""".replace("{time}", time_column)
+
 
 # A page of live jobs; the caller asks for one row more than it shows, to know whether
 # there is a next page.
@@ -33,7 +41,7 @@ SELECT id, queue, task, args, state, priority, run_at, retry_at, attempts, max_a
 FROM {jobs}
 WHERE (%(state)s::text IS NULL OR state = %(state)s)
 """
-    + _FILTERS
+    + _filters("created_at")
     + """
 ORDER BY id DESC
 LIMIT %(limit)s
@@ -48,7 +56,7 @@ SELECT id, queue, task, args, state, priority, NULL::timestamptz AS run_at,
 FROM {history}
 WHERE (%(state)s::text IS NULL OR state = %(state)s)
 """
-    + _FILTERS
+    + _filters("finished_at")
     + """
 ORDER BY id DESC
 LIMIT %(limit)s
@@ -63,7 +71,7 @@ JOB_IDS_MATCHING = (
 SELECT id FROM {jobs}
 WHERE (%(state)s::text IS NULL OR state = %(state)s)
 """
-    + _FILTERS
+    + _filters("created_at")
     + """
 ORDER BY id
 LIMIT %(limit)s
@@ -111,4 +119,41 @@ SELECT name, last_tick, updated_at FROM {periodic} ORDER BY name
 # Busy slots per worker: its running jobs, through the rescuer's index on running jobs.
 WORKER_BUSY = """
 SELECT worker_id, count(*) FROM {jobs} WHERE state = 'running' GROUP BY worker_id
+"""
+
+# The overview's counts per queue: the live part of the CLI's QUEUE_STATS (same states,
+# same oldest-ready rule) in one pass over the jobs table, without its last-minute failure
+# figures, which expand every recent job's errors and read the table a second time; the
+# chart shows finished jobs instead.
+QUEUE_COUNTS = """
+WITH live AS (
+    SELECT queue,
+           count(*) FILTER (WHERE state = 'blocked') AS blocked,
+           count(*) FILTER (WHERE state = 'available') AS available,
+           count(*) FILTER (WHERE state = 'scheduled') AS scheduled,
+           count(*) FILTER (WHERE state = 'running') AS running,
+           count(*) FILTER (WHERE state = 'retryable') AS retryable,
+           count(*) FILTER (WHERE state = 'dead') AS dead,
+           extract(epoch FROM now() - min(greatest(run_at, retry_at)) FILTER (
+               WHERE state IN ('available', 'scheduled', 'retryable')
+                 AND greatest(run_at, retry_at) <= now()))::float8 AS oldest_ready_seconds
+    FROM {jobs}
+    GROUP BY queue
+), serving AS (
+    SELECT q AS queue, count(*) AS workers
+    FROM {workers}, unnest(queues) AS q
+    GROUP BY q
+)
+SELECT queue,
+       coalesce(l.blocked, 0) AS blocked,
+       coalesce(l.available, 0) AS available,
+       coalesce(l.scheduled, 0) AS scheduled,
+       coalesce(l.running, 0) AS running,
+       coalesce(l.retryable, 0) AS retryable,
+       coalesce(l.dead, 0) AS dead,
+       l.oldest_ready_seconds,
+       coalesce(s.workers, 0) AS workers
+FROM live AS l
+FULL JOIN serving AS s USING (queue)
+ORDER BY queue
 """
