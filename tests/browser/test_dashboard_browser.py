@@ -15,10 +15,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from psycopg import sql
 
 import skiplock
 from conftest import JobFactory, StartWorker, wait_until
@@ -118,13 +120,37 @@ def expect(target: Any) -> Any:
     return playwright_sync.expect(target)
 
 
+def finished_over_the_last_hour(app: skiplock.App) -> None:
+    """History rows spread over the last hour, so the chart has something to show."""
+    with app.connect() as conn:
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {} (id, queue, task, args, state, priority, attempts, "
+                "max_attempts, errors, created_at, finished_at) "
+                "SELECT 1000000 + g, 'emails', 'shop.send_receipt', '{{}}', 'completed', 0, "
+                "1, 3, '[]', now() - m * interval '1 minute', now() - m * interval '1 minute' "
+                "FROM generate_series(0, 59) AS m, "
+                "LATERAL generate_series(1, 20 + (15 * sin(m / 6.0))::int) AS n, "
+                "LATERAL (SELECT m * 100 + n AS g) AS ids"
+            ).format(sql.Identifier(app.schema, "job_history"))
+        )
+        conn.commit()
+
+
 def test_overview_shows_a_queues_counts(
-    app: skiplock.App, make_job: JobFactory, serve: Serve, page: Page
+    app: skiplock.App,
+    make_job: JobFactory,
+    serve: Serve,
+    page: Page,
+    start_worker: StartWorker,
 ) -> None:
     for _ in range(3):
         make_job(queue="emails", task="shop.send_receipt", args={"order_id": 1})
     make_job(queue="emails", state="dead", task="shop.send_receipt")
-    make_job(queue="reports", task="shop.nightly", state="scheduled")
+    later = datetime.now(UTC) + timedelta(hours=1)
+    make_job(queue="reports", task="shop.nightly", state="scheduled", run_at=later)
+    finished_over_the_last_hour(app)
+    start_worker(app, queues=["reports"], concurrency=4)
     server = serve()
 
     page.goto(server.url + "/")
@@ -136,6 +162,7 @@ def test_overview_shows_a_queues_counts(
     # The live part refreshes by itself: a new job shows without a reload.
     make_job(queue="emails", task="shop.send_receipt")
     expect(row.locator('[data-count="available"]')).to_have_text("4")
+    expect(page.locator("#workers")).to_contain_text("leader")
     screenshot(page, "overview")
 
 
