@@ -616,3 +616,22 @@ def test_traceback_lines_mark_machinery() -> None:
     assert any("executor.py" in line for line in machinery)
     assert any("/srv/shop/tasks.py" in line for line in own)
     assert own[-1] == "PaymentDeclined: card refused"
+
+
+def test_mounted_in_fastapi(app: skiplock.App, make_job: JobFactory) -> None:
+    from fastapi import FastAPI  # noqa: PLC0415
+
+    job_id = make_job(queue="emails")
+    api = FastAPI()
+    api.mount("/admin/queue", create_app(app.database_url, app.schema, read_only=True))
+    with TestClient(api) as web:
+        html = web.get("/admin/queue/jobs").text
+        assert f'href="/admin/queue/jobs/{job_id}"' in html
+        assert web.get(f"/admin/queue/jobs/{job_id}").status_code == 200
+
+
+def test_error_pages_do_not_poll(app: skiplock.App, make_job: JobFactory, web: TestClient) -> None:
+    dead = make_job(state="dead")
+    refused = web.post(f"/jobs/{dead}/retry", data={"csrf": "wrong"})
+    assert refused.status_code == 403
+    assert "data-refresh=" not in refused.text

@@ -125,21 +125,21 @@ def pages(history_rows: int, live_jobs: int) -> list[tuple[str, str]]:
     middle = max(history_rows // 2, 1)
     return [
         ("overview", "/"),
-        ("jobs, newest", "/jobs"),
-        ("jobs, deep page", f"/jobs?before={middle}"),
-        ("jobs, dead", "/jobs?state=dead"),
-        ("jobs, completed in queue", "/jobs?state=completed&queue=queue3"),
-        ("jobs, task", "/jobs?task=shop.task_7"),
-        ("jobs, cancelled", "/jobs?state=cancelled"),
-        ("jobs, error class", "/jobs?error=Error3"),
-        ("jobs, time range", "/jobs?from=2000-01-01T00:00&to=2000-01-02T00:00"),
-        ("jobs, text in args (customer)", "/jobs?args=customer-77"),
-        ("jobs, rare queue", "/jobs?queue=rare"),
-        ("jobs, rare task", "/jobs?task=shop.rare"),
-        ("jobs, rare error class", "/jobs?error=RareError"),
-        ("jobs, rare queue completed", "/jobs?queue=rare&state=completed"),
-        ("job, finished", f"/jobs/{middle}"),
-        ("job, live", f"/jobs/{history_rows + live_jobs // 2}"),
+        ("jobs", "/jobs"),
+        ("jobs deep page", f"/jobs?before={middle}"),
+        ("jobs dead", "/jobs?state=dead"),
+        ("jobs queue+state", "/jobs?state=completed&queue=queue3"),
+        ("jobs task", "/jobs?task=shop.task_7"),
+        ("jobs cancelled", "/jobs?state=cancelled"),
+        ("jobs error class", "/jobs?error=Error3"),
+        ("jobs time range", "/jobs?from=2000-01-01T00:00&to=2000-01-02T00:00"),
+        ("jobs args text", "/jobs?args=customer-77"),
+        ("jobs rare queue", "/jobs?queue=rare"),
+        ("jobs rare task", "/jobs?task=shop.rare"),
+        ("jobs rare error", "/jobs?error=RareError"),
+        ("jobs rare q+state", "/jobs?queue=rare&state=completed"),
+        ("job finished", f"/jobs/{middle}"),
+        ("job live", f"/jobs/{history_rows + live_jobs // 2}"),
         ("cron", "/cron"),
         ("overview fragment", "/?fragment=1"),
     ]
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             "max": max(times),
         }
         print(
-            f"{name:<32} {summary['median']:>8.1f} ms  "
+            f"{name:<20} {summary['median']:>8.1f} ms  "
             f"(min {summary['min']:.1f}, max {summary['max']:.1f}, samples {len(times)})",
             flush=True,
         )
