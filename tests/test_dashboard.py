@@ -544,6 +544,12 @@ def test_next_never_leaves_the_dashboard(
         follow_redirects=False,
     )
     assert response.headers["location"] == "/"
+    response = web.post(
+        f"/jobs/{dead}/retry",
+        data={"csrf": csrf(web), "next": "/\t/evil.example/x"},
+        follow_redirects=False,
+    )
+    assert response.headers["location"] == "/"
 
 
 # -- mounting ---------------------------------------------------------------------------

@@ -189,7 +189,11 @@ def _route_path(request: Request) -> str:
 
 def _safe_next(value: str | None) -> str:
     """A redirect target below the prefix: a path, never another site (no // or scheme)."""
-    if not value or not value.startswith("/") or value.startswith("//") or "\\" in value:
+    if not value or not value.startswith("/") or "\\" in value:
+        return "/"
+    # Browsers drop tabs and line breaks inside a URL: "/\t/evil.example" would become
+    # "//evil.example", another site.
+    if any(ord(char) < 0x21 or ord(char) == 0x7F for char in value) or value.startswith("//"):
         return "/"
     return value
 
@@ -246,7 +250,6 @@ class Pages:
             "prefix": _prefix(request),
             "here": _route_path(request),
             "read_only": dashboard.read_only,
-            "signed_in": dashboard.token is not None,
             "csrf_field": security.CSRF_FIELD,
             "csrf": csrf,
             "body": body,
