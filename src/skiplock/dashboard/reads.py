@@ -160,7 +160,9 @@ def jobs_page(conn: Conn, schema: str, where: JobFilter, before: int | None, siz
     params = where.params(before=before, limit=size + 1)
     live: list[dict[str, Any]] = []
     finished: list[dict[str, Any]] = []
-    with conn.cursor(row_factory=dict_row) as cur:
+    with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+        if where.args_text or where.error_type:
+            cur.execute(dashboard_sql.JOBS_SCAN_IN_ORDER)
         if where.reads_live:
             live = cur.execute(render(dashboard_sql.JOBS_LIVE_PAGE, schema), params).fetchall()
         if where.reads_history:
