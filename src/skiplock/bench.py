@@ -876,7 +876,7 @@ def run(
             from skiplock.dashboard import bench as dashboard_bench  # noqa: PLC0415
 
             for name, times in dashboard_bench.page_timings(
-                url, history_rows=history_rows, live_jobs=jobs, samples=max(5, runs * 4)
+                url, history_rows=history_rows, live_jobs=jobs, runs=runs
             ):
                 report(Figure(f"dashboard {name}", "ms", times))
             continue

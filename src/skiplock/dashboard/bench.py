@@ -5,8 +5,8 @@ The rows are written straight into a scratch schema (setup, not measured): histo
 over the last seven days in daily partitions, as a week's retention leaves it, in five
 queues and twenty tasks, a few with errors; live jobs mostly ready, some scheduled,
 retryable, running and dead. Each page is then fetched in-process through the ASGI app
-(query, template and response, no network) several times; the figure is the median in
-milliseconds. Run it with ``skiplock bench --scenarios dashboard`` or
+(query, template and response, no network): a run's figure is the median of several
+renders, in milliseconds. Run it with ``skiplock bench --scenarios dashboard`` or
 ``python -m skiplock.dashboard.bench``.
 """
 
@@ -146,9 +146,15 @@ def pages(history_rows: int, live_jobs: int) -> list[tuple[str, str]]:
 
 
 def page_timings(
-    database_url: str | None, *, history_rows: int, live_jobs: int, samples: int = 11
+    database_url: str | None,
+    *,
+    history_rows: int,
+    live_jobs: int,
+    runs: int = 3,
+    renders: int = 5,
 ) -> Iterator[tuple[str, list[float]]]:
-    """For each page, ``samples`` render times in milliseconds (after one warm-up)."""
+    """For each page, one figure per run in milliseconds: the median of ``renders``
+    renders (after one warm-up render of every page)."""
     from starlette.testclient import TestClient  # noqa: PLC0415 - the dashboard extra
 
     from skiplock.dashboard.web import create_app  # noqa: PLC0415
@@ -161,12 +167,15 @@ def page_timings(
                 response = web.get(path)
                 if response.status_code != 200:
                     raise RuntimeError(f"{path} answered {response.status_code}")
-                times: list[float] = []
-                for _ in range(samples):
-                    started = time.perf_counter()
-                    web.get(path)
-                    times.append((time.perf_counter() - started) * 1000)
-                yield name, times
+                medians: list[float] = []
+                for _ in range(runs):
+                    times: list[float] = []
+                    for _ in range(renders):
+                        started = time.perf_counter()
+                        web.get(path)
+                        times.append((time.perf_counter() - started) * 1000)
+                    medians.append(statistics.median(times))
+                yield name, medians
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,14 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--database-url", default=None)
     parser.add_argument("--history-rows", type=int, default=1_000_000)
     parser.add_argument("--live-jobs", type=int, default=100_000)
-    parser.add_argument("--samples", type=int, default=11)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--renders", type=int, default=5, help="per run")
     args = parser.parse_args(argv)
     print(f"dashboard pages: {args.history_rows:,} history rows, {args.live_jobs:,} live jobs")
     for name, times in page_timings(
         args.database_url,
         history_rows=args.history_rows,
         live_jobs=args.live_jobs,
-        samples=args.samples,
+        runs=args.runs,
+        renders=args.renders,
     ):
         summary: dict[str, Any] = {
             "median": statistics.median(times),
@@ -190,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(
             f"{name:<20} {summary['median']:>8.1f} ms  "
-            f"(min {summary['min']:.1f}, max {summary['max']:.1f}, samples {len(times)})",
+            f"(min {summary['min']:.1f}, max {summary['max']:.1f}, runs {len(times)})",
             flush=True,
         )
     return 0
