@@ -28,6 +28,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from skiplock.cli import SCENARIOS
+from skiplock.dashboard import bench as dashboard_bench
 
 PASSWORD = "secret-7f3a"
 
@@ -166,6 +167,9 @@ EXPECTED_FIGURES = {
         "enqueue-concurrent 8 clients, no trigger",
         "enqueue-concurrent 32 clients",
         "enqueue-concurrent 32 clients, no trigger",
+    ],
+    "dashboard": [
+        f"dashboard {name}" for name, _ in dashboard_bench.pages(history_rows=500, live_jobs=300)
     ],
 }
 PHASES = ["warm-up", "clean", "held", "recovery"]

@@ -717,6 +717,7 @@ SCENARIOS = (
     "keylimit",
     "lowconc",
     "enqueue-concurrent",
+    "dashboard",
 )
 
 

@@ -3,7 +3,7 @@
 Every filter is written ``(%(x)s IS NULL OR ...)``. The dashboard's connections never
 prepare statements server-side, so each statement is planned with its values, and the
 planner drops the filters that are NULL: a filtered page uses the index for its filter
-(migration 0019) instead of a generic plan that fits every combination badly.
+(migration 0018) instead of a generic plan that fits every combination badly.
 
 Pages are keyset-paginated, newest first: ``id < %(before)s ORDER BY id DESC LIMIT n``
 reads n rows however deep the page, where OFFSET would read and discard every row before
@@ -18,7 +18,7 @@ def _filters(time_column: str) -> str:
     live job was enqueued, when a finished one finished (the column history is
     partitioned and indexed by, so a range reads only its days). ``errors <> '[]'`` is
     implied by the error filter and written out so that the planner can use the index of
-    failed history rows (0019)."""
+    failed history rows (0018)."""
     return """
   AND (%(queue)s::text IS NULL OR queue = %(queue)s)
   AND (%(task)s::text IS NULL OR task = %(task)s)
@@ -164,7 +164,7 @@ ORDER BY queue
 # plans to read the whole live table and sort the matches; when many rows match, reading
 # in id order and stopping at a page's worth is far cheaper (text at 100,000 live jobs:
 # 10 ms instead of 200). For these two filters only, in the page's own transaction,
-# sequential scans are made a last resort (history's indexes, 0019, are used either way).
+# sequential scans are made a last resort (history's indexes, 0018, are used either way).
 JOBS_SCAN_IN_ORDER = """
 SET LOCAL enable_seqscan = off
 """

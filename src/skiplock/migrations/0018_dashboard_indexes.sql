@@ -1,4 +1,4 @@
--- skiplock 0019: indexes for the dashboard's jobs pages (skiplock.sql.dashboard).
+-- skiplock 0018: indexes for the dashboard's jobs pages (skiplock.sql.dashboard).
 --
 -- Pages are keyset-paginated newest first (id < cursor ORDER BY id DESC). Unfiltered, or
 -- with a filter most rows pass, the id index finds a page at once. A filter few history
