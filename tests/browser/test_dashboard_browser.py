@@ -19,6 +19,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from psycopg import sql
 
@@ -192,18 +193,31 @@ def test_a_dead_job_retried_from_its_page_completes(
     def charge(order_id: int) -> dict[str, int]:
         return {"charged": order_id}
 
-    error = {
-        "attempt": 3,
-        "at": "2026-12-01T10:00:00+00:00",
-        "type": "TimeoutError",
-        "message": "the payment service did not answer",
-        "traceback": 'Traceback (most recent call last):\n  File "/srv/shop/tasks.py", '
-        "line 12, in charge\n    gateway.charge(order_id)\nTimeoutError: the payment "
-        "service did not answer\n",
-    }
+    # A believable history for the README's screenshot: enqueued ten minutes ago, then
+    # three attempts that timed out, the last one leaving the job dead.
+    now = datetime.now(UTC)
+    errors = [
+        {
+            "attempt": attempt,
+            "at": (now - timedelta(minutes=10 - 3 * attempt)).isoformat(),
+            "type": "TimeoutError",
+            "message": "the payment service did not answer",
+            "traceback": 'Traceback (most recent call last):\n  File "/srv/shop/tasks.py", '
+            "line 12, in charge\n    gateway.charge(order_id)\nTimeoutError: the payment "
+            "service did not answer\n",
+        }
+        for attempt in (1, 2, 3)
+    ]
     dead = make_job(
-        task="shop.charge", args={"order_id": 77}, state="dead", attempts=3, errors=[error]
+        task="shop.charge", args={"order_id": 77}, state="dead", attempts=3, errors=errors
     )
+    with psycopg.connect(app.database_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("UPDATE {} SET created_at = %s WHERE id = %s").format(
+                sql.Identifier(app.schema, "jobs")
+            ),
+            (now - timedelta(minutes=10), dead),
+        )
     server = serve()
 
     page.goto(f"{server.url}/jobs/{dead}")
