@@ -140,6 +140,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         lease_seconds=args.lease,
         shutdown_timeout=args.shutdown_timeout,
         liveness_lock=not args.no_liveness_lock,
+        tcp_user_timeout=args.tcp_user_timeout or None,
         metrics=metrics,
         history_retention=(
             None
@@ -206,6 +207,7 @@ def _supervise(args: argparse.Namespace) -> int:
     if args.no_liveness_lock:
         command.append("--no-liveness-lock")
     command += ["--history-retention-days", f"{args.history_retention_days:g}"]
+    command += ["--tcp-user-timeout", f"{args.tcp_user_timeout:g}"]
     if args.metrics_port:
         raise ConfigurationError(
             "--metrics-port serves one process; with --processes run the workers "
@@ -870,6 +872,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="behind a transaction-mode pooler (PgBouncer): rescue by lease expiry only "
         "(default: hold a liveness lock, so a dead worker's jobs are rescued at once)",
+    )
+    p.add_argument(
+        "--tcp-user-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="drop a connection whose peer stopped answering (a cut link) after about "
+        "this long, by TCP keepalives and tcp_user_timeout, unless the URL sets them "
+        "(0: the system's defaults; default 30)",
     )
     p.set_defaults(func=cmd_worker)
 

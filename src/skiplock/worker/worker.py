@@ -44,6 +44,7 @@ from skiplock.waiting import wait_event
 from skiplock.worker import job_log
 from skiplock.worker.cancels import CancelRequests
 from skiplock.worker.heartbeat import Heartbeat
+from skiplock.worker.keepalives import DEFAULT_TCP_USER_TIMEOUT, with_keepalives
 from skiplock.worker.leader import (
     Admission,
     Cron,
@@ -78,7 +79,10 @@ class Worker:
 
     ``lease_seconds`` bounds how long a job stays claimed by a worker that stops
     heartbeating; heartbeats extend it every third of that. ``poll_interval`` is the
-    fallback when no notification arrives.
+    fallback when no notification arrives. ``tcp_user_timeout`` (seconds) bounds how long
+    a connection whose peer stopped answering (a cut link) looks alive: keepalives and
+    libpq's ``tcp_user_timeout`` are added to the URL unless it sets them (keepalives.py);
+    None leaves the operating system's defaults.
     """
 
     def __init__(
@@ -102,6 +106,7 @@ class Worker:
         prefetch: int | None = None,
         liveness_lock: bool = True,
         metrics: NullMetrics | None = None,
+        tcp_user_timeout: float | None = DEFAULT_TCP_USER_TIMEOUT,
     ) -> None:
         if not queues:
             raise ConfigurationError("a worker needs at least one queue")
@@ -118,6 +123,11 @@ class Worker:
             raise ConfigurationError(f"concurrency must be >= 1, got {concurrency}")
         if lease_seconds <= 0 or poll_interval <= 0:
             raise ConfigurationError("lease_seconds and poll_interval must be positive")
+        if tcp_user_timeout is not None and not tcp_user_timeout > 0:
+            raise ConfigurationError(
+                f"tcp_user_timeout must be positive seconds, or None for the operating "
+                f"system's defaults, got {tcp_user_timeout!r}"
+            )
         self.app = app
         self.queues = list(dict.fromkeys(queues))
         self.concurrency = concurrency
@@ -135,6 +145,7 @@ class Worker:
         self.completer_interval = completer_interval
         self.admit_interval = admit_interval
         self.liveness_lock = liveness_lock
+        self.tcp_user_timeout = tcp_user_timeout
         # Jobs claimed beyond free capacity, waiting here (leased and heartbeated) for a
         # slot: their start then costs no claim round trip. None sizes it from how long
         # jobs and claims take (decision 018); a number pins it; 0 turns it off.
@@ -181,7 +192,8 @@ class Worker:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(signum, self._on_signal, signum)
         await self._wait_for_database()
-        url = self.app.database_url
+        # Every connection the worker opens for itself; handlers' own connections are theirs.
+        url = with_keepalives(self.app.database_url, self.tcp_user_timeout)
         schema = self.app.schema
         tx_async, tx_sync, leased_excluded = self._split_tasks()
         needs_async_sessions = any(tx_async.values())
