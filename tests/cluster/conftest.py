@@ -1,0 +1,99 @@
+"""Fixtures for the cluster tests: hosts as network namespaces (harness.py), a server of
+the module's own, worker fleets per test, and the figures they measure.
+
+The size is ``SKIPLOCK_CLUSTER_JOBS`` (default 1,500 jobs per scenario) and the outage
+``SKIPLOCK_CLUSTER_OUTAGE`` seconds (default 8: past the server's dead-peer detection and
+the short lease of the freeze scenario); ``scripts/cluster`` runs 100,000 jobs and 30 s.
+The tests skip, saying why, where they cannot build hosts (not root, no ``ip netns``, no
+PostgreSQL 15 binaries). Figures are printed at the end of the run and, when
+``SKIPLOCK_CLUSTER_REPORT`` names a file, appended to it as JSON lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+import skiplock
+from chaos.conftest import SCHEMA, ChaosDatabase
+
+from .harness import DATABASE, Cluster, HostFleet, remove_leftovers, unavailable
+
+JOBS = int(os.environ.get("SKIPLOCK_CLUSTER_JOBS", "1500"))
+OUTAGE = float(os.environ.get("SKIPLOCK_CLUSTER_OUTAGE", "8"))
+REPORT_ENV = "SKIPLOCK_CLUSTER_REPORT"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """Namespaces, bridge and a migrated server for the module; removed after it, also
+    when a test failed or the setup broke half-way."""
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    remove_leftovers()
+    built = Cluster()
+    try:
+        built.up()
+        with psycopg.connect(built.server.local_url("postgres"), autocommit=True) as admin:
+            admin.execute(f"CREATE DATABASE {DATABASE}")
+        skiplock.App(built.server.local_url(), schema=SCHEMA).migrate()
+        yield built
+    finally:
+        built.down()
+
+
+@pytest.fixture
+def cluster_db(cluster: Cluster) -> Iterator[ChaosDatabase]:
+    """The cluster's database with empty queue tables and execution record, and the
+    test's connection to it (through the server's socket, from the root namespace)."""
+    url = cluster.server.local_url()
+    db = ChaosDatabase(url, psycopg.connect(url, autocommit=True))
+    db.reset()
+    yield db
+    db.close()
+
+
+@pytest.fixture
+def hosts(cluster: Cluster, cluster_db: ChaosDatabase, tmp_path: Path) -> Iterator[HostFleet]:
+    """Workers on the cluster's hosts; every link is restored and every process killed
+    (stopped ones too) at teardown."""
+    fleet = HostFleet(cluster, tmp_path)
+    try:
+        yield fleet
+    finally:
+        try:
+            cluster.network.restore_all()
+        finally:
+            fleet.close()
+
+
+FIGURES: list[dict[str, Any]] = []
+
+
+def record_figures(figures: dict[str, Any]) -> None:
+    """Keep a scenario's figures for the summary, and append them to the report file."""
+    FIGURES.append(figures)
+    report = os.environ.get(REPORT_ENV)
+    if report:
+        with open(report, "a", encoding="utf-8") as out:
+            out.write(json.dumps(figures, default=str) + "\n")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not FIGURES:
+        return
+    terminalreporter.section("cluster figures")
+    for figures in FIGURES:
+        line = ", ".join(
+            f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in figures.items()
+            if k != "scenario"
+        )
+        terminalreporter.write_line(f"{figures['scenario']}: {line}")
