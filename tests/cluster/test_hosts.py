@@ -15,6 +15,7 @@ elsewhere.
 from __future__ import annotations
 
 import random
+import re
 import signal
 import statistics
 import time
@@ -39,7 +40,7 @@ from chaos.test_chaos import (
 )
 
 from .conftest import JOBS, OUTAGE, record_figures
-from .harness import HOSTS, HostFleet
+from .harness import HOSTS, HostFleet, run
 
 PER_HOST = 2
 CONCURRENCY = 8
@@ -339,3 +340,47 @@ def test_a_frozen_host_is_rescued_and_its_late_outcomes_refused_after_the_thaw(
             "seed": seed,
         }
     )
+
+
+def keepalive_timers(fleet: HostFleet, db: ChaosDatabase, host: str) -> dict[int, str]:
+    """For each session of ``host`` that holds a liveness lock (the worker's own, not its
+    handlers'), the time left to its socket's next keepalive probe, as ``ss -o`` shows it
+    ("117min" with the system's default idle of two hours). Sockets with data in flight
+    (a retransmission timer instead) are left out."""
+    address = fleet.cluster.network.address(host)
+    rows = db.conn.execute(
+        "SELECT DISTINCT a.client_port FROM pg_stat_activity AS a"
+        " JOIN pg_locks AS l ON l.pid = a.pid AND l.locktype = 'advisory' AND l.granted"
+        " WHERE a.client_addr = %s::inet",
+        (address,),
+    ).fetchall()
+    ports = {int(r[0]) for r in rows}
+    namespace = fleet.cluster.network.namespace(host)
+    sockets = run(["ip", "netns", "exec", namespace, "ss", "-tnoH", "state", "established"])
+    timers = {}
+    for line in sockets.stdout.splitlines():
+        local = next(f for f in line.split() if f.startswith(f"{address}:"))
+        timer = re.search(r"timer:\(keepalive,([^,]+),", line)
+        port = int(local.rsplit(":", 1)[1])
+        if port in ports and timer is not None:
+            timers[port] = timer.group(1)
+    return timers
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("timeout", [4.0, 0.0])
+def test_the_workers_own_sessions_probe_a_silent_peer_within_the_timeout(
+    cluster_db: ChaosDatabase, hosts: HostFleet, timeout: float
+) -> None:
+    """Every session the worker opens for itself (listener, heartbeat, pools: those that
+    hold its liveness lock) probes its peer after seconds of silence, from
+    --tcp-user-timeout; 0 leaves libpq's and the system's default (keepalive on, first
+    probe after two hours)."""
+    worker = hosts.start_on("h1", concurrency=2, tcp_user_timeout=timeout)
+    hosts.wait_registered(cluster_db.conn, [worker])
+    timers = wait_until(
+        lambda: keepalive_timers(hosts, cluster_db, "h1"), 30, POLL, what="the worker's sockets"
+    )
+    assert len(timers) >= 2, timers  # at least the listener and the heartbeat
+    in_minutes = {port for port, left in timers.items() if left.endswith("min")}
+    assert in_minutes == (set() if timeout else set(timers)), timers
