@@ -331,6 +331,7 @@ class HostFleet(Fleet):
         poll_interval: float = 1.0,
         shutdown_timeout: float = 10.0,
         prefetch: str = "auto",
+        queues: str = "chaos",
     ) -> WorkerProcess:
         """Start ``skiplock worker`` in ``host``'s namespace (``ip netns exec`` execs, so
         the process's pid is the worker's); it is not waited for."""
@@ -349,7 +350,7 @@ class HostFleet(Fleet):
             "worker",
             WORKER_APP,
             "--queues",
-            "chaos",
+            queues,
             "--concurrency",
             str(concurrency),
             "--lease",
@@ -379,10 +380,8 @@ class HostFleet(Fleet):
     def on_host(self, host: str) -> list[WorkerProcess]:
         return [w for w in self.workers if self.host_of.get(w.pid) == host]
 
-    def start_hosts(self, per_host: int, conn: Any, **options: Any) -> None:
-        started = [
-            self.start_on(host, **options)
-            for host in self.cluster.network.hosts
-            for _ in range(per_host)
-        ]
+    def start_hosts(
+        self, per_host: int, conn: Any, *, hosts: Sequence[str] = HOSTS, **options: Any
+    ) -> None:
+        started = [self.start_on(host, **options) for host in hosts for _ in range(per_host)]
         self.wait_registered(conn, started)
