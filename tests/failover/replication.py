@@ -30,6 +30,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psycopg
@@ -61,6 +62,7 @@ WORKER_HOSTS = ("h1", "h2")
 # connection attempt for the kernel's SYN retries, about two minutes.
 CONNECT_TIMEOUT = 3
 REPLICATION_PATIENCE = 60.0
+PROMOTION_POLL = 0.005
 
 
 def failover_unavailable() -> str | None:
@@ -120,9 +122,18 @@ class Node(Server):
         checkpoint, no goodbye to clients or standby, WAL not yet sent stays unsent."""
         _kill_namespace_processes(self.network.namespace(self.host))
 
-    def promote(self) -> None:
-        """End recovery; returns once the server accepts writes."""
-        self.pg_ctl("-w", "promote")
+    def promote(self) -> datetime:
+        """End recovery (``pg_promote``); returns when the server was first seen accepting
+        writes, within PROMOTION_POLL (pg_ctl's own wait polls ten times slower)."""
+        with psycopg.connect(self.local_url(), autocommit=True) as conn:
+            conn.execute("SELECT pg_promote(wait => false)")
+
+            def promoted() -> bool:
+                row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
+                return row is not None and row[0] is False
+
+            wait_until(promoted, REPLICATION_PATIENCE, PROMOTION_POLL, what="the promotion")
+            return datetime.now(UTC)
 
     def create_primary(self) -> None:
         """initdb, as the harness does, and let the subnet's hosts stream from it."""

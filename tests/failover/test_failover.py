@@ -182,8 +182,8 @@ def fail_over(cluster: FailoverCluster, fleet: FailoverFleet) -> Failover:
         wait_until(lambda: not receiving(standby), 30, POLL, what="the standby to notice the loss")
         row = standby.execute("SELECT pg_last_wal_receive_lsn()::text").fetchone()
     assert row is not None and row[0] is not None
-    cluster.standby.promote()
-    return Failover(crashed_at, utcnow(), lsn(row[0]))
+    promoted_at = cluster.standby.promote()
+    return Failover(crashed_at, promoted_at, lsn(row[0]))
 
 
 def first_completion_after(db: ChaosDatabase, moment: datetime) -> datetime:
