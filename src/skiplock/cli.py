@@ -25,6 +25,7 @@ from skiplock.app import App
 from skiplock.config import DATABASE_URL_ENV, DEFAULT_SCHEMA, EMBEDDED, SCHEMA_ENV
 from skiplock.errors import ConfigurationError, SkiplockError
 from skiplock.migrate import Migration, available_migrations, migrate, pending_migrations
+from skiplock.replica import READ_URL_ENV, replica_state
 from skiplock.tasks import MAX_QUEUE_NAME, check_name, parse_rate
 from skiplock.types import Job
 
@@ -1061,7 +1062,26 @@ def build_parser() -> argparse.ArgumentParser:
     from skiplock.dashboard import command as dashboard_command  # noqa: PLC0415
 
     dashboard_command.add_parser(sub)
+
+    parser.add_argument(
+        "--read-url",
+        default=None,
+        help=f"status and jobs list/show read from this URL, a replica (default: "
+        f"${READ_URL_ENV}), and say how far behind it is",
+    )
     return parser
+
+
+def _read_from_replica(args: argparse.Namespace) -> None:
+    """status and jobs list/show read from --read-url ($SKIPLOCK_READ_URL) when given,
+    and say on stderr how far behind it is: what they show is that old."""
+    read_url = args.read_url or os.environ.get(READ_URL_ENV)
+    reads = args.command == "status" or getattr(args, "jobs_command", None) in ("list", "show")
+    if not read_url or not reads:
+        return
+    with psycopg.connect(read_url, autocommit=True) as conn:
+        print(f"skiplock: {replica_state(conn).describe()}", file=sys.stderr)
+    args.database_url = read_url
 
 
 def _database_url_from_env(args: argparse.Namespace) -> None:
@@ -1127,6 +1147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _database_url_from_env(args)
         _check_database_url(args)
+        _read_from_replica(args)
         return int(args.func(args))
     except SkiplockError as exc:
         print(f"skiplock: {exc}", file=sys.stderr)

@@ -17,7 +17,7 @@ from psycopg.rows import dict_row
 
 from skiplock.config import control_channel, done_channel, notify_channel
 from skiplock.errors import ConfigurationError, JobNotFoundError, SchemaNotReadyError
-from skiplock.sql import admin, complete, enqueue, render
+from skiplock.sql import admin, complete, enqueue, render, replica
 from skiplock.tasks import JobSpec, check_rate
 from skiplock.types import Job, JobState
 
@@ -652,5 +652,9 @@ def queue_stats(conn: Conn, schema: str) -> list[dict[str, Any]]:
 
 
 def list_workers(conn: Conn, schema: str) -> list[dict[str, Any]]:
+    # A hot standby says so at connection (in_hot_standby, PostgreSQL 14+); it cannot read
+    # the leader table, so the leader is unknown there (skiplock status --read-url).
+    standby = conn.info.parameter_status("in_hot_standby") == "on"
+    statement = replica.WORKER_LIST_ON_STANDBY if standby else admin.WORKER_LIST
     with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(render(admin.WORKER_LIST, schema)).fetchall()
+        return cur.execute(render(statement, schema)).fetchall()
