@@ -16,6 +16,7 @@ import pytest
 
 import skiplock
 from conftest import StartWorker, wait_until
+from skiplock.config import notify_channel
 from skiplock.worker.producer import ClaimAhead, Slots, ahead_target
 
 
@@ -123,3 +124,54 @@ def test_long_jobs_are_not_claimed_ahead_and_an_idle_worker_gets_its_share(
         stats = handle.worker.stats
         assert stats.largest_claim == 1, stats  # one job per free slot, none ahead
         assert 2 <= stats.claimed <= 4, stats  # each worker ran its share
+
+
+def test_a_job_claimed_ahead_and_given_back_while_it_waited_does_not_start(
+    app: skiplock.App, start_worker: StartWorker
+) -> None:
+    """A worker cut off from the database is found dead and its jobs given back, while a
+    job it claimed ahead waits for a slot. When a slot frees, that job must not start on
+    a claim that is no longer the worker's (tests/cluster saw it run twice)."""
+    release = threading.Event()
+    ran: list[str] = []
+
+    @app.task(name="blocker")
+    def blocker() -> None:
+        release.wait(30)
+
+    @app.task(name="waiting")
+    def waiting() -> None:
+        ran.append("waiting")
+
+    with psycopg.connect(app.database_url) as conn:
+        app.enqueue_many(
+            conn, [blocker.with_options(priority=0).job(), waiting.with_options(priority=1).job()]
+        )
+    handle = start_worker(app, concurrency=1, prefetch=1)
+    jobs = handle.worker._jobs
+    assert jobs is not None
+    wait_until(lambda: len(jobs.held) == 2 and len(jobs.at_gate) == 1, 30.0, "both claimed")
+    (waiting_id,) = jobs.at_gate
+    # As after a silence: the next start reads its claim first.
+    jobs.confirm_after = 0.0
+    # What a rescuer does to the jobs of a worker it found dead: back to available.
+    with psycopg.connect(app.database_url, autocommit=True) as conn:
+        given_back = conn.execute(
+            f"UPDATE {app.schema}.jobs SET state = 'available', worker_id = NULL, "
+            "lease_expires_at = NULL, claimed_ahead = false, attempts = attempts - 1 "
+            "WHERE id = %s AND state = 'running' RETURNING id",
+            (waiting_id,),
+        ).fetchall()
+        # and its wake-up, with the job's position (a rescue rewinds claim cursors).
+        conn.execute(
+            "SELECT pg_notify(%s, queue || E'\\t' || priority || E'\\t' "
+            f"|| extract(epoch FROM run_at)) FROM {app.schema}.jobs WHERE id = %s",
+            (notify_channel(app.schema), waiting_id),
+        )
+    assert given_back == [(waiting_id,)]
+
+    release.set()  # the slot frees; the job given back is claimed again and runs once
+    wait_until(lambda: ran == ["waiting"], 30.0, "the job given back to run")
+    wait_until(lambda: not jobs.held, 30.0, "the worker to finish")
+    assert ran == ["waiting"]
+    assert handle.worker.stats.lost_leases == 1

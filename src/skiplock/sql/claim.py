@@ -103,6 +103,14 @@ WHERE j.id = ANY(ARRAY(
 RETURNING j.id
 """
 
+# Whether a job claimed ahead is still this worker's, asked before it starts when the
+# worker has not heard from the database for a while (worker/leased.py): cut off, it may
+# have been rescued and run elsewhere meanwhile. A plain read: no lock, never waits.
+JOB_STILL_CLAIMED = """
+SELECT 1 FROM {jobs}
+WHERE id = %(id)s AND worker_id = %(worker_id)s AND attempts = %(attempt)s
+"""
+
 # The probe for a lease-mode cursor, run off the claim path every few seconds: the first
 # ready job behind the cursor, if any (one that no notification announced, or that a claim
 # skipped while another transaction held its row). The index condition bounds the scan at

@@ -52,6 +52,7 @@ class Heartbeat(PeriodicService):
         request_cancel: Callable[[int], None],
         on_lost: Callable[[int, int, asyncio.Task[None]], None],
         on_connect: Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]] | None = None,
+        on_beat: Callable[[], None] | None = None,
     ) -> None:
         self._url = database_url
         self._worker_id = worker_id
@@ -64,6 +65,7 @@ class Heartbeat(PeriodicService):
         self._request_cancel = request_cancel
         self._on_lost = on_lost
         self._on_connect = on_connect
+        self._on_beat = on_beat
         self._options = heartbeat_bounds(every).options()
         self._touch = render(maintenance.WORKER_TOUCH, schema)
         self._extend = render(maintenance.JOB_EXTEND_LEASES_SKIP_LOCKED, schema)
@@ -125,6 +127,8 @@ class Heartbeat(PeriodicService):
             conn = await self._connection()
         await conn.execute(self._touch, self._registration())
         self.beats += 1
+        if self._on_beat is not None:
+            self._on_beat()
         if not self._leased:
             self._locked.clear()
             return

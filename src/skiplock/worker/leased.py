@@ -34,6 +34,11 @@ from skiplock.worker.stats import WorkerStats
 
 log = logging.getLogger("skiplock.worker")
 
+# A job claimed ahead starts without a word to the database while the worker heard from
+# it (a claim, a flush, a heartbeat) within this many seconds. Past that, the worker may
+# have been cut off, found dead and its jobs run elsewhere: the job's claim is read first.
+CONFIRM_AFTER_SILENCE = 1.0
+
 
 class LeasedJobs:
     """The lease-mode jobs of one worker process, from claim to outcome."""
@@ -73,6 +78,10 @@ class LeasedJobs:
         self._cancel_flags: dict[int, CancelFlag] = {}
         self._job_tasks: dict[int, str] = {}
         self._progress: dict[int, tuple[int, str]] = {}
+        # When the database last answered this worker (monotonic seconds): see
+        # CONFIRM_AFTER_SILENCE. Claims, flushes and heartbeats set it.
+        self.heard_at = time.monotonic()
+        self.confirm_after = CONFIRM_AFTER_SILENCE
 
     @property
     def running(self) -> int:
@@ -125,6 +134,7 @@ class LeasedJobs:
                     cur = await conn.execute(statement, params)
                     rows = await cur.fetchall()
             reservation.keep(len(rows))  # each job gives its slot back when it ends
+            self.heard()
             self._stats.claimed += len(rows)
             if rows:
                 self._stats.claims += 1
@@ -164,6 +174,8 @@ class LeasedJobs:
                     finally:
                         self.at_gate.discard(job.id)
                     started = time.perf_counter()
+                    if not await self._still_ours(job):
+                        return
                 if cancel.is_set():
                     raise asyncio.CancelledError  # cancelled while it waited: never ran
                 if self.starts is not None:
@@ -210,17 +222,75 @@ class LeasedJobs:
             if outcome.error is not None:
                 self._metrics.job_failed(job.queue, job.task, outcome.error)
             job_log.finished(job, outcome, seconds)
-            if self.held.get(job.id, (None,))[0] == job.attempts:
+            if self.held.get(job.id, (None, None))[1] is asyncio.current_task():
                 self.completer.add(outcome)
         finally:
+            # Another task may hold the job now (given back and claimed again by this
+            # worker): its entries are left alone.
             entry = self.held.get(job.id)
-            if entry is not None and entry[0] == job.attempts:
+            mine = entry is not None and entry[1] is asyncio.current_task()
+            if mine:
                 del self.held[job.id]
-            self._cancel_flags.pop(job.id, None)
-            self._job_tasks.pop(job.id, None)
+            if entry is None or mine:
+                self._cancel_flags.pop(job.id, None)
+                self._job_tasks.pop(job.id, None)
             if gated and gate is not None:
                 gate.release()
             slots.give(1)
+
+    def heard(self) -> None:
+        """The database answered this worker just now."""
+        self.heard_at = time.monotonic()
+
+    async def _still_ours(self, job: ClaimedJob) -> bool:
+        """Whether a job that waited for a slot may start. After a silence (a cut link,
+        a frozen process) its claim is read first: a rescuer may have given it back and
+        another worker run it, and the heartbeat that would tell may not have come yet
+        (tests/cluster showed such jobs run twice). Unconfirmed, it is dropped without an
+        outcome: if it is still ours after all, its lease runs out and it runs again."""
+        if self._superseded(job):
+            return False
+        if self.starts is None or time.monotonic() - self.heard_at <= self.confirm_after:
+            return True
+        try:
+            # Claimed again by this worker meanwhile, the row reads as ours: hence the
+            # second look at ``held`` below.
+            ours = await self.starts.still_claimed(job.id, job.attempts)
+        except Exception as exc:  # unconfirmed either way: it must not start
+            log.warning(
+                "job %s: could not confirm its claim after a silence (%s); not starting it",
+                job.id,
+                exc,
+            )
+            ours = False
+        else:
+            self.heard()
+            if not ours:
+                log.warning(
+                    "job %s attempt %s: given back while it waited for a slot (this "
+                    "worker was out of touch); not starting it",
+                    job.id,
+                    job.attempts,
+                )
+        if ours and self._superseded(job):
+            return False
+        if not ours:
+            self._stats.lost_leases += 1
+        return ours
+
+    def _superseded(self, job: ClaimedJob) -> bool:
+        """Whether this task no longer holds the job: given back while it waited, and
+        claimed again by this worker, whose newer task holds it now."""
+        entry = self.held.get(job.id)
+        if entry is not None and entry[1] is asyncio.current_task():
+            return False
+        log.warning(
+            "job %s attempt %s: given back while it waited for a slot and claimed again; "
+            "the new claim runs it",
+            job.id,
+            job.attempts,
+        )
+        return True
 
     def _hold_slot(self, slots: Slots, thread: asyncio.Future[Any]) -> None:
         """A timed-out sync handler still occupies a thread: keep a slot taken until it

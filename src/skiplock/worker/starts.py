@@ -45,6 +45,7 @@ class StartRecorder(PeriodicService):
     ) -> None:
         self._pool = pool
         self._statement = render(claim.JOB_MARK_STARTED, schema)
+        self._still_claimed = render(claim.JOB_STILL_CLAIMED, schema)
         self._worker_id = worker_id
         self._leased = leased
         self._after = after
@@ -55,6 +56,15 @@ class StartRecorder(PeriodicService):
         """The job's attempt has started (its handler is being called now)."""
         self._started[job_id] = attempt
         self._noted.set()
+
+    async def still_claimed(self, job_id: int, attempt: int) -> bool:
+        """Whether the job's attempt is still this worker's, read now."""
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                self._still_claimed,
+                {"id": job_id, "attempt": attempt, "worker_id": self._worker_id},
+            )
+            return await cur.fetchone() is not None
 
     async def pause(self) -> None:
         await self._noted.wait()

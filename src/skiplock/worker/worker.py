@@ -345,6 +345,7 @@ class Worker:
             request_cancel=jobs.request_cancel,
             on_lost=jobs.lost,
             on_connect=liveness,
+            on_beat=jobs.heard,
         )
         if ahead is not None:
             jobs.starts = StartRecorder(pool, schema, self.id, jobs.held)
@@ -621,6 +622,8 @@ class Worker:
 
     def _flushed(self, batch: int, refused: int) -> None:
         self.metrics.flushed(batch, refused)
+        if self._jobs is not None:
+            self._jobs.heard()
         if self._limits is not None:
             self._limits.room_freed()
 
