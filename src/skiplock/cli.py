@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 import psycopg.conninfo
 
-from skiplock import client
+from skiplock import client, pooler
 from skiplock.app import App
 from skiplock.config import DATABASE_URL_ENV, DEFAULT_SCHEMA, EMBEDDED, SCHEMA_ENV
 from skiplock.errors import ConfigurationError, SkiplockError
@@ -142,6 +142,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         liveness_lock=not args.no_liveness_lock,
         tcp_user_timeout=args.tcp_user_timeout or None,
+        **pooler.worker_settings(args, dict(os.environ)),
         metrics=metrics,
         history_retention=(
             None
@@ -198,8 +199,6 @@ def _supervise(args: argparse.Namespace) -> int:
         str(args.concurrency),
         "--lease",
         str(args.lease),
-        "--poll-interval",
-        str(args.poll_interval),
         "--shutdown-timeout",
         str(args.shutdown_timeout),
         "--prefetch",
@@ -207,6 +206,7 @@ def _supervise(args: argparse.Namespace) -> int:
     ]
     if args.no_liveness_lock:
         command.append("--no-liveness-lock")
+    command += pooler.child_arguments(args, env)
     command += ["--history-retention-days", f"{args.history_retention_days:g}"]
     command += ["--tcp-user-timeout", f"{args.tcp_user_timeout:g}"]
     if args.metrics_port:
@@ -835,10 +835,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--poll-interval",
         type=float,
-        default=1.0,
+        default=None,
         metavar="SECONDS",
         help="how often to look for jobs when no notification arrives; notifications wake "
-        "the worker at once (default: %(default)g)",
+        "the worker at once (default: 1, or 0.2 without a listener)",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -883,6 +883,7 @@ def build_parser() -> argparse.ArgumentParser:
         "this long, by TCP keepalives and tcp_user_timeout, unless the URL sets them "
         "(0: the system's defaults; default 30)",
     )
+    pooler.add_worker_arguments(p)  # --pooler, --listen-url, --no-listen
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("jobs", help="list, show, retry or cancel jobs")

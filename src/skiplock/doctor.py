@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from skiplock import history
+from skiplock import history, pooler
 from skiplock.migrate import pending_migrations
 from skiplock.sql import doctor as q
 from skiplock.sql import history as history_sql
@@ -290,6 +290,31 @@ def check_transactional(conn: Conn, schema: str, limits: Limits) -> list[Finding
     return [Finding("transactional jobs", "ok", "no long-running transactional jobs")]
 
 
+def check_pooler(conn: Conn, schema: str, limits: Limits) -> list[Finding]:
+    """Is this URL a pooler in transaction mode? Two more connections with the same
+    settings tell (pooler.detect_transaction_pooling)."""
+    password = conn.info.password
+
+    def connect() -> Conn:
+        return psycopg.connect(
+            conn.info.dsn, password=password, prepare_threshold=None, connect_timeout=10
+        )
+
+    report = pooler.detect_transaction_pooling(connect)
+    if report.transaction_pooling:
+        return [
+            Finding(
+                "pooler",
+                "warn",
+                f"this URL goes through a pooler in transaction mode: {report.evidence}",
+                "start workers with --pooler and --listen-url URL (PostgreSQL directly or a "
+                "session-mode pool: LISTEN and the liveness lock), or --pooler alone (polling; "
+                "rescue by lease expiry); run `skiplock migrate` on a direct URL",
+            )
+        ]
+    return [Finding("pooler", "ok", f"no transaction-mode pooler: {report.evidence}")]
+
+
 CHECKS: list[Callable[[Conn, str, Limits], list[Finding]]] = [
     check_migrations,
     check_autovacuum,
@@ -300,6 +325,7 @@ CHECKS: list[Callable[[Conn, str, Limits], list[Finding]]] = [
     check_indexes,
     check_history,
     check_transactional,
+    check_pooler,
 ]
 
 

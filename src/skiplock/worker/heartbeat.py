@@ -53,8 +53,16 @@ class Heartbeat(PeriodicService):
         on_lost: Callable[[int, int, asyncio.Task[None]], None],
         on_connect: Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]] | None = None,
         on_beat: Callable[[], None] | None = None,
+        connect_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self._url = database_url
+        # The bounds go in ``options``; behind a pooler none, and no prepared statements
+        # (pooler.py): the worker passes its own.
+        self._connect_kwargs = (
+            {"options": heartbeat_bounds(every).options()}
+            if connect_kwargs is None
+            else connect_kwargs
+        )
         self._worker_id = worker_id
         self._lease_seconds = lease_seconds
         self.every = every
@@ -66,7 +74,6 @@ class Heartbeat(PeriodicService):
         self._on_lost = on_lost
         self._on_connect = on_connect
         self._on_beat = on_beat
-        self._options = heartbeat_bounds(every).options()
         self._touch = render(maintenance.WORKER_TOUCH, schema)
         self._extend = render(maintenance.JOB_EXTEND_LEASES_SKIP_LOCKED, schema)
         self._progress = render(complete.JOB_PROGRESS_SET, schema)
@@ -112,8 +119,8 @@ class Heartbeat(PeriodicService):
             self._conn = await psycopg.AsyncConnection.connect(
                 self._url,
                 autocommit=True,
-                options=self._options,
                 connect_timeout=10,
+                **self._connect_kwargs,
                 **session_kwargs("heartbeat", self._worker_id),
             )
             if self._on_connect is not None:

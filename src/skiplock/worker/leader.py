@@ -207,9 +207,14 @@ class History(LeaderService):
         tick: float,
         every: float,
         retention: timedelta | None,
+        connect_kwargs: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(leadership, tick)
         self._url = database_url
+        # Behind a pooler no ``options`` and no prepared statements (pooler.py).
+        self._connect_kwargs = (
+            {"options": MAINTENANCE.options("")} if connect_kwargs is None else connect_kwargs
+        )
         self._schema = schema
         self._every = every
         self._retention = retention
@@ -231,7 +236,7 @@ class History(LeaderService):
 
     def _maintain(self) -> history.HistoryReport:
         with psycopg.connect(
-            self._url, autocommit=True, options=MAINTENANCE.options(""), connect_timeout=10
+            self._url, autocommit=True, connect_timeout=10, **self._connect_kwargs
         ) as conn:
             return history.maintain(conn, self._schema, retention=self._retention)
 

@@ -36,6 +36,7 @@ from skiplock.errors import ConfigurationError, SchemaNotReadyError
 from skiplock.leadership import Leadership
 from skiplock.metrics import NullMetrics
 from skiplock.migrate import pending_migrations
+from skiplock.pooler import WorkerConnections, check_worker_connections, resolve_poll_interval
 from skiplock.retry import RetryPolicy
 from skiplock.sql import claim, complete, maintenance, render
 from skiplock.tasks import MAX_QUEUE_NAME, check_name
@@ -64,7 +65,7 @@ from skiplock.worker.sessions import TransactionalSessions
 from skiplock.worker.starts import StartRecorder
 from skiplock.worker.stats import WorkerStats
 from skiplock.worker.supervisor import Every, Loop, Service, Supervisor
-from skiplock.worker.timeouts import MAINTENANCE
+from skiplock.worker.timeouts import MAINTENANCE, heartbeat_bounds
 
 log = logging.getLogger("skiplock.worker")
 
@@ -79,10 +80,16 @@ class Worker:
 
     ``lease_seconds`` bounds how long a job stays claimed by a worker that stops
     heartbeating; heartbeats extend it every third of that. ``poll_interval`` is the
-    fallback when no notification arrives. ``tcp_user_timeout`` (seconds) bounds how long
-    a connection whose peer stopped answering (a cut link) looks alive: keepalives and
-    libpq's ``tcp_user_timeout`` are added to the URL unless it sets them (keepalives.py);
-    None leaves the operating system's defaults.
+    fallback when no notification arrives (default 1 s; 0.2 s without a listener).
+    ``tcp_user_timeout`` (seconds) bounds how long a connection whose peer stopped
+    answering (a cut link) looks alive: keepalives and libpq's ``tcp_user_timeout``
+    are added to the URLs unless they set them (keepalives.py); None leaves the
+    operating system's defaults.
+
+    Behind a pooler in transaction mode (``pooler=True``: pooler.py), ``listen_url`` is a
+    direct or session-mode URL for the listener and the heartbeat, which then hold the
+    liveness lock; without it the worker polls and rescue waits for leases.
+    ``listen=False`` runs without a LISTEN connection, polling.
     """
 
     def __init__(
@@ -91,7 +98,7 @@ class Worker:
         *,
         queues: Sequence[str] = ("default",),
         concurrency: int = 10,
-        poll_interval: float = 1.0,
+        poll_interval: float | None = None,
         lease_seconds: float = 30.0,
         shutdown_timeout: float = 30.0,
         batch_max: int = 100,
@@ -107,6 +114,9 @@ class Worker:
         liveness_lock: bool = True,
         metrics: NullMetrics | None = None,
         tcp_user_timeout: float | None = DEFAULT_TCP_USER_TIMEOUT,
+        listen_url: str | None = None,
+        listen: bool = True,
+        pooler: bool = False,
     ) -> None:
         if not queues:
             raise ConfigurationError("a worker needs at least one queue")
@@ -121,6 +131,8 @@ class Worker:
             )
         if concurrency < 1:
             raise ConfigurationError(f"concurrency must be >= 1, got {concurrency}")
+        self.listen = check_worker_connections(pooler=pooler, listen=listen, listen_url=listen_url)
+        poll_interval = resolve_poll_interval(poll_interval, self.listen)
         if lease_seconds <= 0 or poll_interval <= 0:
             raise ConfigurationError("lease_seconds and poll_interval must be positive")
         if tcp_user_timeout is not None and not tcp_user_timeout > 0:
@@ -144,8 +156,17 @@ class Worker:
         self.metrics = metrics or NullMetrics()
         self.completer_interval = completer_interval
         self.admit_interval = admit_interval
-        self.liveness_lock = liveness_lock
         self.tcp_user_timeout = tcp_user_timeout
+        # Every connection the worker opens for itself gets the keepalives; handlers'
+        # own connections are theirs.
+        self.connections = WorkerConnections(
+            with_keepalives(app.database_url, tcp_user_timeout),
+            None if listen_url is None else with_keepalives(listen_url, tcp_user_timeout),
+            pooler,
+        )
+        # Behind a pooler only the listener (on the listen URL) and the heartbeat can hold
+        # the liveness lock; without a listener the worker is rescued by lease expiry.
+        self.liveness_lock = liveness_lock and (not pooler or self.listen)
         # Jobs claimed beyond free capacity, waiting here (leased and heartbeated) for a
         # slot: their start then costs no claim round trip. None sizes it from how long
         # jobs and claims take (decision 018); a number pins it; 0 turns it off.
@@ -192,24 +213,28 @@ class Worker:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(signum, self._on_signal, signum)
         await self._wait_for_database()
-        # Every connection the worker opens for itself; handlers' own connections are theirs.
-        url = with_keepalives(self.app.database_url, self.tcp_user_timeout)
+        connections = self.connections
+        url = connections.url
         schema = self.app.schema
         tx_async, tx_sync, leased_excluded = self._split_tasks()
         needs_async_sessions = any(tx_async.values())
         pool_size = 4 + len(self.queues) + (self.concurrency if needs_async_sessions else 0)
         # Every session of this worker holds its liveness lock: it lives while any does.
+        # Behind a pooler only the listener and the heartbeat do (on the listen URL).
         liveness = LivenessLock(schema, self.id, enabled=self.liveness_lock)
+        pooled_liveness = LivenessLock(
+            schema, self.id, enabled=self.liveness_lock and connections.session_locks
+        )
         pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
             url,
             min_size=2,
             max_size=pool_size,
             kwargs={
                 "autocommit": True,
-                "options": claim.WORKER_SESSION_OPTIONS,
+                **connections.pooled(claim.WORKER_SESSION_OPTIONS),
                 **session_kwargs("worker", self.id),
             },
-            configure=liveness,
+            configure=pooled_liveness,
             open=False,
             name=f"skiplock-{self.id}",
         )
@@ -221,10 +246,10 @@ class Worker:
             max_size=MAINTENANCE_POOL_SIZE,
             kwargs={
                 "autocommit": True,
-                "options": MAINTENANCE.options(),
+                **connections.pooled(MAINTENANCE.options()),
                 **session_kwargs("maintenance", self.id),
             },
-            configure=liveness,
+            configure=pooled_liveness,
             open=False,
             name=f"skiplock-{self.id}-maintenance",
         )
@@ -234,8 +259,12 @@ class Worker:
                 url,
                 min_size=1,
                 max_size=self.concurrency,
-                kwargs={"autocommit": True, **session_kwargs("transactional", self.id)},
-                configure=liveness.take,
+                kwargs={
+                    "autocommit": True,
+                    **connections.pooled(""),
+                    **session_kwargs("transactional", self.id),
+                },
+                configure=pooled_liveness.take,
                 open=False,
             )
             sync_pool.open()
@@ -268,7 +297,13 @@ class Worker:
         self.metrics.worker_started(self._busy_slots, self.concurrency, self._leads)
         supervisor = self.supervisor = Supervisor(on_restart=self.metrics.service_restarted)
 
-        promotion = Promotion(maintenance_pool, schema, poll_interval=self.poll_interval)
+        # Without a listener nothing announces a job scheduled for later: promotion polls,
+        # but at most every second (its statements are not free on an idle queue).
+        promotion = Promotion(
+            maintenance_pool,
+            schema,
+            poll_interval=self.poll_interval if self.listen else max(self.poll_interval, 1.0),
+        )
         self.completer = completer = Completer(
             pool,
             schema,
@@ -319,13 +354,16 @@ class Worker:
             pool, schema, self.id, leased=jobs.held, cancel=self.request_cancel
         )
         self._listener = listener = Listener(
-            url,
+            connections.dedicated_url,
             notify_channel(schema),
             on_wakeup,
             on_connect,
             setup=setup,
             control=(control_channel(schema), self._on_control),
-            connect_kwargs=session_kwargs("listener", self.id),
+            connect_kwargs={
+                **connections.dedicated(""),
+                **session_kwargs("listener", self.id),
+            },
         )
         producers = self._producers(
             pool, sync_pool, cursors, leased_excluded, tx_async, tx_sync, threads, slots
@@ -333,7 +371,7 @@ class Worker:
         heartbeat_every = max(self.lease_seconds / 3, 0.05)
         tick = min(self.rescue_interval, heartbeat_every)
         self._heartbeat = Heartbeat(
-            url,
+            connections.dedicated_url,
             schema,
             self.id,
             lease_seconds=self.lease_seconds,
@@ -346,6 +384,7 @@ class Worker:
             on_lost=jobs.lost,
             on_connect=liveness,
             on_beat=jobs.heard,
+            connect_kwargs=connections.dedicated(heartbeat_bounds(heartbeat_every).options()),
         )
         if ahead is not None:
             jobs.starts = StartRecorder(pool, schema, self.id, jobs.held)
@@ -379,12 +418,13 @@ class Worker:
             rescue,
             Cron(maintenance_pool, self.app, self.leadership, tick=tick),
             History(
-                url,
+                connections.dedicated_url,
                 schema,
                 self.leadership,
                 tick=tick,
                 every=self.history_interval,
                 retention=self.history_retention,
+                connect_kwargs=connections.dedicated(MAINTENANCE.options("")),
             ),
             admission,
             Every("limits", LIMITS_REFRESH_SECONDS, limits.read),
@@ -392,7 +432,8 @@ class Worker:
         if jobs.starts is not None:
             services.append(jobs.starts)
         supervisor.start(self._cancels)
-        supervisor.start(listener)
+        if self.listen:
+            supervisor.start(listener)
         supervisor.start(Loop("completer", completer.run))
         supervisor.start(promotion)
         supervisor.start(
@@ -406,7 +447,10 @@ class Worker:
             )
         )
         try:
-            await self._until_stopped(listener.connected.wait())
+            if self.listen:
+                await self._until_stopped(listener.connected.wait())
+            else:
+                on_connect()  # nothing announced: sweep and look at everything once
             await self._register(maintenance_pool)
             await limits.read()
             for service in services:
@@ -420,6 +464,14 @@ class Worker:
                 self.queues,
                 self.concurrency,
             )
+            if not self.listen:
+                log.info(
+                    "no listener: polling every %gs; %s",
+                    self.poll_interval,
+                    "liveness lock on this worker's sessions"
+                    if self.liveness_lock
+                    else "no liveness lock: a dead worker's jobs wait for their lease",
+                )
             await self._stop.wait()
             log.info("worker %s stopping: waiting for %d running jobs", self.id, slots.busy)
         finally:
@@ -519,7 +571,11 @@ class Worker:
         while True:
             try:
                 pending = await asyncio.to_thread(
-                    _pending_versions, self.app.database_url, self.app.schema
+                    _pending_versions,
+                    self.app.database_url,
+                    self.app.schema,
+                    # As the claims connect: a pooler that refuses them is told here.
+                    self.connections.pooled(claim.WORKER_SESSION_OPTIONS),
                 )
                 if pending:
                     raise SchemaNotReadyError(
@@ -567,7 +623,12 @@ class Worker:
         """Stop claiming while the completer is far behind, or while the listener (and
         with it the liveness lock) is reconnecting."""
         listener = self._listener
-        if self.liveness_lock and listener is not None and not listener.connected.is_set():
+        if (
+            self.liveness_lock
+            and self.listen
+            and listener is not None
+            and not listener.connected.is_set()
+        ):
             await listener.connected.wait()
         completer, slots = self.completer, self._slots
         capacity = self.concurrency if slots is None else slots.total
@@ -742,6 +803,17 @@ class Worker:
             log.warning("ended %d unfinished jobs cancelled, as was asked", cancelled)
 
 
-def _pending_versions(url: str, schema: str) -> list[int]:
-    with psycopg.connect(url, autocommit=True, connect_timeout=10) as conn:
+def _pending_versions(url: str, schema: str, connect_kwargs: dict[str, Any]) -> list[int]:
+    try:
+        conn = psycopg.connect(url, autocommit=True, connect_timeout=10, **connect_kwargs)
+    except psycopg.OperationalError as exc:
+        if "unsupported startup parameter" in str(exc):
+            # PgBouncer: retrying would only fail the same way, and quietly in the pools.
+            raise ConfigurationError(
+                f"the database URL refused the worker's session settings ({str(exc).strip()}): "
+                "a pooler such as PgBouncer; start the worker with --pooler (pooler=True), "
+                "and --listen-url with a direct or session-mode URL for LISTEN and liveness"
+            ) from exc
+        raise
+    with conn:
         return [m.version for m in pending_migrations(conn, schema)]
