@@ -189,7 +189,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the database URL is a pooler in transaction mode (PgBouncer): no prepared "
         "statements or session locks on its connections; LISTEN and the liveness lock "
-        "need --listen-url (else the worker polls and rescue waits for leases)",
+        "need --listen-url (else the worker polls and rescue waits for leases) "
+        "(default: a direct connection)",
     )
     parser.add_argument(
         "--listen-url",
@@ -201,7 +202,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-listen",
         action="store_true",
         help=f"no LISTEN connection: poll for jobs (every {POLL_ONLY_INTERVAL:g}s unless "
-        "--poll-interval says otherwise)",
+        "--poll-interval says otherwise) (default: listen, so new jobs wake the worker)",
     )
 
 

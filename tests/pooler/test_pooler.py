@@ -20,6 +20,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 import skiplock
 from conftest import SCHEMA, JobFactory, StartWorker, WorkerThread, wait_until
@@ -46,7 +47,10 @@ def test_a_pooler_with_a_listen_url_listens_and_holds_the_lock_there() -> None:
     worker = skiplock.Worker(app, pooler=True, listen_url="postgresql://direct/db")
     assert worker.listen and worker.liveness_lock
     assert worker.poll_interval == pooler.POLL_INTERVAL
-    assert worker.connections.dedicated_url == "postgresql://direct/db"
+    # The listen URL, with the worker's keepalive parameters added (keepalives.py).
+    dedicated = conninfo_to_dict(worker.connections.dedicated_url)
+    assert (dedicated["host"], dedicated["dbname"]) == ("direct", "db")
+    assert "tcp_user_timeout" in dedicated
     assert not worker.connections.session_locks
 
 
