@@ -38,7 +38,7 @@ def test_writes_never_go_to_the_read_url(
     code = main(
         [
             *("--database-url", database_url, "--read-url", "postgresql://x@invalid.invalid/x"),
-            *("jobs", "retry", "--all", "--state", "dead"),
+            *("jobs", "retry", "--all", "--state", "dead", "--yes"),
         ]
     )
     assert code == 0, capsys.readouterr()
