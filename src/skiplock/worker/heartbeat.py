@@ -134,10 +134,9 @@ class Heartbeat(PeriodicService):
             conn = await self._connection()
         await conn.execute(self._touch, self._registration())
         self.beats += 1
-        if self._on_beat is not None:
-            self._on_beat()
         if not self._leased:
             self._locked.clear()
+            self._beaten()
             return
         held = dict(self._leased)
         cur = await conn.execute(
@@ -171,6 +170,12 @@ class Heartbeat(PeriodicService):
             if task.done():
                 continue
             self._on_lost(job_id, attempt, task)
+        self._beaten()
+
+    def _beaten(self) -> None:
+        """Every lease held when the beat began is confirmed, or its loss acted on."""
+        if self._on_beat is not None:
+            self._on_beat()
 
     async def _write_progress(self, conn: psycopg.AsyncConnection[Any]) -> None:
         pending = self._take_progress()

@@ -34,9 +34,11 @@ from skiplock.worker.stats import WorkerStats
 
 log = logging.getLogger("skiplock.worker")
 
-# A job claimed ahead starts without a word to the database while the worker heard from
-# it (a claim, a flush, a heartbeat) within this many seconds. Past that, the worker may
-# have been cut off, found dead and its jobs run elsewhere: the job's claim is read first.
+# A job claimed ahead starts without a word to the database when its claim, or the last
+# heartbeat (which confirms every lease the worker holds, and stops the lost ones), is at
+# most this many seconds old. Past that, the worker may have been cut off or stopped,
+# found dead and its jobs run elsewhere: the job's claim is read first. Flushes and other
+# claims say nothing about it: they succeed as well for a worker just resumed.
 CONFIRM_AFTER_SILENCE = 1.0
 
 
@@ -78,9 +80,9 @@ class LeasedJobs:
         self._cancel_flags: dict[int, CancelFlag] = {}
         self._job_tasks: dict[int, str] = {}
         self._progress: dict[int, tuple[int, str]] = {}
-        # When the database last answered this worker (monotonic seconds): see
-        # CONFIRM_AFTER_SILENCE. Claims, flushes and heartbeats set it.
-        self.heard_at = time.monotonic()
+        # When a heartbeat last confirmed every lease held (monotonic seconds): see
+        # CONFIRM_AFTER_SILENCE.
+        self.confirmed_at = time.monotonic()
         self.confirm_after = CONFIRM_AFTER_SILENCE
 
     @property
@@ -134,7 +136,7 @@ class LeasedJobs:
                     cur = await conn.execute(statement, params)
                     rows = await cur.fetchall()
             reservation.keep(len(rows))  # each job gives its slot back when it ends
-            self.heard()
+            claimed_at = time.monotonic()
             self._stats.claimed += len(rows)
             if rows:
                 self._stats.claims += 1
@@ -148,7 +150,7 @@ class LeasedJobs:
             told = job_log.told()
             for row in rows:
                 job = executor.claimed_from_row(row)
-                task = asyncio.create_task(self._run(job, threads, slots))
+                task = asyncio.create_task(self._run(job, threads, slots, claimed_at))
                 self.held[job.id] = (job.attempts, task)
                 self._job_tasks[job.id] = job.task
                 if told:
@@ -157,7 +159,9 @@ class LeasedJobs:
 
         return fetch
 
-    async def _run(self, job: ClaimedJob, threads: ThreadPoolExecutor, slots: Slots) -> None:
+    async def _run(
+        self, job: ClaimedJob, threads: ThreadPoolExecutor, slots: Slots, claimed_at: float
+    ) -> None:
         cancel = self._cancel_flags[job.id] = CancelFlag()
         gate = self._gate
         gated = False
@@ -174,7 +178,7 @@ class LeasedJobs:
                     finally:
                         self.at_gate.discard(job.id)
                     started = time.perf_counter()
-                    if not await self._still_ours(job):
+                    if not await self._still_ours(job, claimed_at):
                         return
                 if cancel.is_set():
                     raise asyncio.CancelledError  # cancelled while it waited: never ran
@@ -238,11 +242,11 @@ class LeasedJobs:
                 gate.release()
             slots.give(1)
 
-    def heard(self) -> None:
-        """The database answered this worker just now."""
-        self.heard_at = time.monotonic()
+    def confirmed(self) -> None:
+        """A heartbeat confirmed every lease held when it began (and stopped lost ones)."""
+        self.confirmed_at = time.monotonic()
 
-    async def _still_ours(self, job: ClaimedJob) -> bool:
+    async def _still_ours(self, job: ClaimedJob, claimed_at: float) -> bool:
         """Whether a job that waited for a slot may start. After a silence (a cut link,
         a frozen process) its claim is read first: a rescuer may have given it back and
         another worker run it, and the heartbeat that would tell may not have come yet
@@ -250,7 +254,8 @@ class LeasedJobs:
         outcome: if it is still ours after all, its lease runs out and it runs again."""
         if self._superseded(job):
             return False
-        if self.starts is None or time.monotonic() - self.heard_at <= self.confirm_after:
+        latest = max(claimed_at, self.confirmed_at)
+        if self.starts is None or time.monotonic() - latest <= self.confirm_after:
             return True
         try:
             # Claimed again by this worker meanwhile, the row reads as ours: hence the
@@ -264,7 +269,6 @@ class LeasedJobs:
             )
             ours = False
         else:
-            self.heard()
             if not ours:
                 log.warning(
                     "job %s attempt %s: given back while it waited for a slot (this "

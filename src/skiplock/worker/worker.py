@@ -383,7 +383,7 @@ class Worker:
             request_cancel=jobs.request_cancel,
             on_lost=jobs.lost,
             on_connect=liveness,
-            on_beat=jobs.heard,
+            on_beat=jobs.confirmed,
             connect_kwargs=connections.dedicated(heartbeat_bounds(heartbeat_every).options()),
         )
         if ahead is not None:
@@ -683,8 +683,6 @@ class Worker:
 
     def _flushed(self, batch: int, refused: int) -> None:
         self.metrics.flushed(batch, refused)
-        if self._jobs is not None:
-            self._jobs.heard()
         if self._limits is not None:
             self._limits.room_freed()
 
