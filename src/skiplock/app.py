@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar, overload
 
 import psycopg
 
-from skiplock import client
+from skiplock import client, routing
 from skiplock.config import (
     DEFAULT_SCHEMA,
     EMBEDDED,
@@ -35,6 +35,11 @@ class App:
     throwaway local PostgreSQL instead (the ``embedded`` extra). Nothing connects, and
     nothing is checked, until something needs the database: the CLI configures an App
     after importing it.
+
+    ``queue_databases`` is the routing table for queues spread over several databases:
+    ``{"reports": "postgresql://HOST/reports"}`` puts queue "reports" there, and every
+    queue it does not name lives on ``database_url``. Each database needs `skiplock
+    migrate` and keeps its own leader, history and cron (docs/routing.md).
     """
 
     def __init__(
@@ -43,6 +48,7 @@ class App:
         *,
         schema: str | None = None,
         embedded: bool = False,
+        queue_databases: Mapping[str, str] | None = None,
     ) -> None:
         import os  # noqa: PLC0415
 
@@ -55,6 +61,11 @@ class App:
         self.periodics: dict[str, Periodic] = {}
         # Spans for enqueues and attempts; None costs nothing (skiplock.contrib.otel).
         self.tracing: Tracing | None = None
+        # Queue -> database URL for the queues that do not live on database_url.
+        self.queue_databases = routing.check_routes(queue_databases)
+        # Which database each URL reaches, learned once (routing.url_identity).
+        self._identities: dict[str, routing.Identity] = {}
+        self._bound: dict[str, App] = {}
 
     def configure(self, *, database_url: str | None = None, schema: str | None = None) -> None:
         """Point an already-defined App elsewhere (the CLI's --database-url and --schema)."""
@@ -138,9 +149,69 @@ class App:
         except KeyError:
             raise UnknownTaskError(f"no task named {name!r} is registered in this app") from None
 
-    def connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
-        """A new connection to the app's database (the caller closes it)."""
-        return psycopg.connect(self.database_url, **kwargs)
+    def connect(self, *, queue: str | None = None, **kwargs: Any) -> psycopg.Connection[Any]:
+        """A new connection to the app's database, or to ``queue``'s (the caller closes it)."""
+        url = self.database_url if queue is None else self.database_url_for(queue)
+        return psycopg.connect(url, **kwargs)
+
+    # -- queues over several databases (routing.py) -------------------------------------
+
+    def database_url_for(self, queue: str) -> str:
+        """The URL of the database ``queue`` lives on."""
+        return self.queue_databases.get(queue) or self.database_url
+
+    def databases(self) -> list[str]:
+        """Every database of this App, ``database_url`` first."""
+        return list(dict.fromkeys([self.database_url, *self.queue_databases.values()]))
+
+    def queues_by_database(self, queues: Sequence[str]) -> dict[str, list[str]]:
+        """Database URL -> the given queues that live there, ``database_url`` first."""
+        return routing.group_queues(queues, self.database_url, self.queue_databases)
+
+    def for_database(self, url: str) -> App:
+        """This App bound to one of its databases alone, for a worker or a command that
+        serves that database: the same tasks (shared), schema and tracing, no routes,
+        and the periodic tasks whose queue lives there (so each database's leader
+        enqueues its own ticks)."""
+        if url not in self.databases():
+            raise ConfigurationError(f"{routing.describe_url(url)} is not a database of this App")
+        bound = App(url, schema=self.schema)
+        bound.tasks = self.tasks
+        bound.tracing = self.tracing
+        bound.periodics = {
+            name: periodic
+            for name, periodic in self.periodics.items()
+            if self.database_url_for(periodic.task.options.queue) == url
+        }
+        return bound
+
+    def _result_app(self, url: str) -> App:
+        """Where a JobRef of a job on ``url`` waits for its result."""
+        if not self.queue_databases or url == self.database_url:
+            return self
+        bound = self._bound.get(url)
+        if bound is None:
+            bound = self._bound[url] = self.for_database(url)
+        return bound
+
+    def _route(self, conn: psycopg.Connection[Any], queues: Sequence[str]) -> str:
+        """The database these jobs go to, checked to be ``conn``'s (routes only)."""
+        url = routing.single_database(queues, self.database_url, self.queue_databases)
+        wanted = self._identities.get(url)
+        if wanted is None:
+            wanted = self._identities[url] = routing.url_identity(url)
+        if routing.connection_identity(conn) != wanted:
+            raise routing.wrong_database(queues[0], url, conn)
+        return url
+
+    async def _route_async(self, conn: psycopg.AsyncConnection[Any], queues: Sequence[str]) -> str:
+        url = routing.single_database(queues, self.database_url, self.queue_databases)
+        wanted = self._identities.get(url)
+        if wanted is None:
+            wanted = self._identities[url] = await routing.url_identity_async(url)
+        if await routing.connection_identity_async(conn) != wanted:
+            raise routing.wrong_database(queues[0], url, conn)
+        return url
 
     def migrate(self, *, target: int | None = None) -> list[Migration]:
         """Apply pending schema migrations; safe to call from several processes at once."""
@@ -152,7 +223,10 @@ class App:
             check_schema_ready(conn, self.schema)
 
     def enqueue_many(self, conn: psycopg.Connection[Any], jobs: Sequence[JobSpec]) -> list[int]:
-        """Insert many jobs at COPY speed in ``conn``'s transaction. Returns their ids."""
+        """Insert many jobs at COPY speed in ``conn``'s transaction. Returns their ids.
+        With routes, every job must live on ``conn``'s database."""
+        if self.queue_databases and jobs:
+            self._route(conn, [spec.queue for spec in jobs])
         if self.tracing is None or not jobs:
             return client.insert_jobs(conn, self.schema, jobs)
         with _send(self.tracing, jobs) as send:
@@ -163,6 +237,8 @@ class App:
     async def enqueue_many_async(
         self, conn: psycopg.AsyncConnection[Any], jobs: Sequence[JobSpec]
     ) -> list[int]:
+        if self.queue_databases and jobs:
+            await self._route_async(conn, [spec.queue for spec in jobs])
         if self.tracing is None or not jobs:
             return await client.insert_jobs_async(conn, self.schema, jobs)
         with _send(self.tracing, jobs) as send:
@@ -172,31 +248,42 @@ class App:
 
     def enqueue_spec(self, conn: psycopg.Connection[Any], spec: JobSpec) -> JobRef:
         """Insert one validated job in ``conn``'s transaction (what ``Task.enqueue`` calls)."""
+        owner = self
+        if self.queue_databases:
+            owner = self._result_app(self._route(conn, [spec.queue]))
         if self.tracing is None:
             job_id, inserted = client.insert_job(conn, self.schema, spec)
-            return JobRef(job_id, self, duplicate=not inserted)
+            return JobRef(job_id, owner, duplicate=not inserted)
         with self.tracing.send(spec.queue, spec.task, 1, batch=False) as send:
             job_id, inserted = client.insert_job(conn, self.schema, spec, meta=send.meta_json)
             send.sent([job_id], duplicate=not inserted)
-        return JobRef(job_id, self, duplicate=not inserted)
+        return JobRef(job_id, owner, duplicate=not inserted)
 
     async def enqueue_spec_async(self, conn: psycopg.AsyncConnection[Any], spec: JobSpec) -> JobRef:
+        owner = self
+        if self.queue_databases:
+            owner = self._result_app(await self._route_async(conn, [spec.queue]))
         if self.tracing is None:
             job_id, inserted = await client.insert_job_async(conn, self.schema, spec)
-            return JobRef(job_id, self, duplicate=not inserted)
+            return JobRef(job_id, owner, duplicate=not inserted)
         with self.tracing.send(spec.queue, spec.task, 1, batch=False) as send:
             job_id, inserted = await client.insert_job_async(
                 conn, self.schema, spec, meta=send.meta_json
             )
             send.sent([job_id], duplicate=not inserted)
-        return JobRef(job_id, self, duplicate=not inserted)
+        return JobRef(job_id, owner, duplicate=not inserted)
 
-    def result(self, job_id: int, timeout: float | None = None) -> Any:
-        """Wait for a job's result (JobFailedError if it ends dead or cancelled)."""
-        return wait_for_result(self, job_id, timeout)
+    def result(self, job_id: int, timeout: float | None = None, *, queue: str | None = None) -> Any:
+        """Wait for a job's result (JobFailedError if it ends dead or cancelled). With
+        routes, ids are per database: ``queue`` says which (default: ``database_url``)."""
+        where = self if queue is None else self._result_app(self.database_url_for(queue))
+        return wait_for_result(where, job_id, timeout)
 
-    async def result_async(self, job_id: int, timeout: float | None = None) -> Any:
-        return await wait_for_result_async(self, job_id, timeout)
+    async def result_async(
+        self, job_id: int, timeout: float | None = None, *, queue: str | None = None
+    ) -> Any:
+        where = self if queue is None else self._result_app(self.database_url_for(queue))
+        return await wait_for_result_async(where, job_id, timeout)
 
 
 def _send(tracing: Tracing, jobs: Sequence[JobSpec]) -> AbstractContextManager[Send]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
@@ -20,7 +21,7 @@ from typing import Any
 import psycopg
 import psycopg.conninfo
 
-from skiplock import client, pooler
+from skiplock import client, pooler, routing
 from skiplock.app import App
 from skiplock.config import DATABASE_URL_ENV, DEFAULT_SCHEMA, EMBEDDED, SCHEMA_ENV
 from skiplock.errors import ConfigurationError, SkiplockError
@@ -55,8 +56,27 @@ def _app_from_args(args: argparse.Namespace) -> App:
     return App(args.database_url, schema=args.schema)
 
 
+def _each_database(args: argparse.Namespace) -> list[App]:
+    """``--app MODULE:APP``: one App per database of its routing table (queue_databases),
+    its database_url first; without it, the one database of --database-url."""
+    if not getattr(args, "app", None):
+        return [App(args.database_url, schema=args.schema)]
+    app = _app_from_args(args)
+    if app.queue_databases and (getattr(args, "read_url", None) or os.environ.get(READ_URL_ENV)):
+        raise ConfigurationError(
+            "--read-url names one replica, and this App's queues live on several "
+            "databases: leave --read-url out, or leave out --app to read that one"
+        )
+    return [app.for_database(url) for url in app.databases()]
+
+
 def cmd_migrate(args: argparse.Namespace) -> int:
-    app = App(args.database_url, schema=args.schema)
+    for app in _each_database(args):
+        _migrate_database(args, app)
+    return 0
+
+
+def _migrate_database(args: argparse.Namespace, app: App) -> int:
     with app.connect(autocommit=True) as conn:
         pending = pending_migrations(conn, app.schema)
         if args.status:
@@ -110,6 +130,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from skiplock.worker import Worker  # noqa: PLC0415
 
     app = _app_from_args(args)
+    if app.queue_databases and args.metrics_port:
+        raise ConfigurationError(
+            "--metrics-port does not serve an App with queue_databases yet: leave it out"
+        )
     queues, unserved = worker_queues(args.queues, app)
     log = logging.getLogger("skiplock.cli")
     if args.queues is None:
@@ -132,7 +156,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
                 "--metrics-port needs prometheus_client: pip install 'skiplock[metrics]'"
             ) from None
         metrics.serve(args.metrics_port, args.metrics_host)
-    worker = Worker(
+    worker_class: Any = Worker
+    if app.queue_databases:  # queues over several databases: a Worker per database
+        from skiplock.worker.routed import RoutedWorker  # noqa: PLC0415
+
+        worker_class = RoutedWorker
+    worker = worker_class(
         app,
         queues=queues,
         concurrency=args.concurrency,
@@ -577,27 +606,42 @@ def _print_status(
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    app = App(args.database_url, schema=args.schema)
-    with app.connect(autocommit=True) as conn:
+    apps = _each_database(args)
+    several = len(apps) > 1
+    with contextlib.ExitStack() as stack:
+        conns = [stack.enter_context(app.connect(autocommit=True)) for app in apps]
         while True:
-            queues = client.queue_stats(conn, app.schema)
-            paused = set(client.paused_queues(conn, app.schema))
-            for row in queues:
-                row["paused"] = row["queue"] in paused
-            workers = client.list_workers(conn, app.schema)
-            notes = status_notes(queues, workers)
-            alerts = status_alerts(
-                queues,
-                workers,
-                max_dead=args.max_dead,
-                max_available=args.max_available,
-                max_ready_age=args.max_ready_age,
-                min_workers=args.min_workers,
-            )
+            sections = []
+            alerts: list[str] = []
+            for app, conn in zip(apps, conns, strict=True):
+                queues = client.queue_stats(conn, app.schema)
+                paused = set(client.paused_queues(conn, app.schema))
+                for row in queues:
+                    row["paused"] = row["queue"] in paused
+                workers = client.list_workers(conn, app.schema)
+                where = routing.describe_url(app.database_url)
+                if several:  # which database each row is from
+                    for row in [*queues, *workers]:
+                        row["database"] = where
+                sections.append((where, queues, workers, status_notes(queues, workers)))
+                found = status_alerts(
+                    queues,
+                    workers,
+                    max_dead=args.max_dead,
+                    max_available=args.max_available,
+                    max_ready_age=args.max_ready_age,
+                    min_workers=args.min_workers,
+                )
+                alerts += [f"{where}: {alert}" if several else alert for alert in found]
             if args.json:
                 print(
                     json.dumps(
-                        {"queues": queues, "workers": workers, "alerts": alerts, "notes": notes},
+                        {
+                            "queues": [row for section in sections for row in section[1]],
+                            "workers": [row for section in sections for row in section[2]],
+                            "alerts": alerts,
+                            "notes": [note for section in sections for note in section[3]],
+                        },
                         default=str,
                     ),
                     flush=True,
@@ -605,7 +649,12 @@ def cmd_status(args: argparse.Namespace) -> int:
             else:
                 if args.watch:
                     print("\033[2J\033[H", end="")  # clear the terminal, cursor home
-                _print_status(queues, workers, notes)
+                for where, queues, workers, notes in sections:
+                    if several:
+                        print(f"database {where}")
+                    _print_status(queues, workers, notes)
+                    if several:
+                        print()
                 for alert in alerts:
                     print(f"ALERT: {alert}", file=sys.stderr)
             if not args.watch:
@@ -784,6 +833,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--status", action="store_true", help="list migrations and whether applied")
     p.add_argument("--sql", action="store_true", help="print the SQL that would run")
     p.add_argument("--target", type=int, default=None, help="stop at this version")
+    p.add_argument(
+        "--app",
+        metavar="MODULE:APP",
+        help="cover every database of this App's routing table (queue_databases)",
+    )
     p.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser(
@@ -1053,6 +1107,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="alert when the oldest ready job has waited longer",
     )
     p.add_argument("--min-workers", type=int, metavar="N", help="alert when < N workers")
+    p.add_argument(
+        "--app",
+        metavar="MODULE:APP",
+        help="cover every database of this App's routing table (queue_databases)",
+    )
     p.set_defaults(func=cmd_status)
 
     from skiplock import metrics_command  # noqa: PLC0415 - `skiplock metrics` (issue 13)

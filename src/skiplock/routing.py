@@ -1,0 +1,140 @@
+"""Queues over several databases: the routing table (queue -> database URL), its checks,
+and which database a connection is on (docs/routing.md, decision 020).
+
+The decisions are pure; the two thin shells below only run one SELECT. A caller's
+connection is identified once and remembered for its lifetime, so an App with routes pays
+one round trip per connection, not per enqueue; an App without routes pays nothing.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from skiplock.errors import ConfigurationError, EnqueueError
+from skiplock.sql.routing import DATABASE_IDENTITY
+from skiplock.tasks import MAX_QUEUE_NAME, check_name
+
+# (cluster system identifier, database name): equal means the same database.
+Identity = tuple[str, str]
+
+_connection_identities: weakref.WeakKeyDictionary[Any, Identity] = weakref.WeakKeyDictionary()
+
+
+def check_routes(routes: Mapping[str, str] | None) -> dict[str, str]:
+    """The routing table, validated: queue names as everywhere, URLs that parse. Pure."""
+    if routes is None:
+        return {}
+    if not isinstance(routes, Mapping):
+        raise ConfigurationError(
+            f"queue_databases must map queue names to database URLs, "
+            f"e.g. {{'reports': 'postgresql://HOST/reports'}}, got {type(routes).__name__}"
+        )
+    checked: dict[str, str] = {}
+    for queue, url in routes.items():
+        check_name("queue", queue, MAX_QUEUE_NAME)
+        if not isinstance(url, str) or not url.strip():
+            raise ConfigurationError(
+                f"queue_databases[{queue!r}]: expected a PostgreSQL URL, got {url!r}"
+            )
+        try:
+            conninfo_to_dict(url)
+        except psycopg.ProgrammingError as exc:
+            raise ConfigurationError(
+                f"queue_databases[{queue!r}]: the URL {describe_url(url)!r} is malformed "
+                f"({str(exc).strip().replace(url, describe_url(url))}); expected "
+                "postgresql://USER@HOST:PORT/DBNAME"
+            ) from None
+        checked[queue] = url
+    return checked
+
+
+def describe_url(url: str) -> str:
+    """``host:port/dbname`` of a URL: names a database in a message, never a password."""
+    try:
+        params = conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        return "<a malformed URL>"
+    return _where(params.get("host"), params.get("port"), params.get("dbname"))
+
+
+def describe_connection(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> str:
+    info = conn.info
+    return _where(info.host, info.port, info.dbname)
+
+
+def _where(host: object, port: object, dbname: object) -> str:
+    return f"{host or 'localhost'}:{port or 5432}/{dbname or '(default)'}"
+
+
+def group_queues(
+    queues: Iterable[str], default_url: str, routes: Mapping[str, str]
+) -> dict[str, list[str]]:
+    """Database URL -> the given queues that live there, the default database first. Pure."""
+    groups: dict[str, list[str]] = {}
+    for queue in dict.fromkeys(queues):
+        groups.setdefault(routes.get(queue, default_url), []).append(queue)
+    return dict(sorted(groups.items(), key=lambda item: item[0] != default_url))
+
+
+def single_database(queues: Iterable[str], default_url: str, routes: Mapping[str, str]) -> str:
+    """The one database a batch of jobs goes to; EnqueueError when it spans several (one
+    transaction cannot write to two databases). Pure."""
+    groups = group_queues(queues, default_url, routes)
+    if len(groups) > 1:
+        spread = "; ".join(
+            f"{', '.join(sorted(q))} on {describe_url(url)}" for url, q in groups.items()
+        )
+        raise EnqueueError(
+            f"these jobs belong to several databases ({spread}), and one transaction cannot "
+            "write to more than one: enqueue each database's jobs in its own call, on a "
+            "connection to that database (app.connect(queue=...))"
+        )
+    return next(iter(groups), default_url)
+
+
+def wrong_database(
+    queue: str, wanted_url: str, conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
+) -> EnqueueError:
+    return EnqueueError(
+        f"queue {queue!r} lives on database {describe_url(wanted_url)}, but this connection "
+        f"is to {describe_connection(conn)}: a job is written in the caller's transaction "
+        "only on its own queue's database. Enqueue it on a connection to that database "
+        f"(app.connect(queue={queue!r})); there is no transaction across databases"
+    )
+
+
+def connection_identity(conn: psycopg.Connection[Any]) -> Identity:
+    """Which database ``conn`` is on, asked once per connection (inside its transaction,
+    if one is open: a read that changes nothing)."""
+    known = _connection_identities.get(conn)
+    if known is None:
+        row = conn.execute(DATABASE_IDENTITY).fetchone()
+        assert row is not None
+        known = _connection_identities[conn] = (str(row[0]), str(row[1]))
+    return known
+
+
+async def connection_identity_async(conn: psycopg.AsyncConnection[Any]) -> Identity:
+    known = _connection_identities.get(conn)
+    if known is None:
+        cur = await conn.execute(DATABASE_IDENTITY)
+        row = await cur.fetchone()
+        assert row is not None
+        known = _connection_identities[conn] = (str(row[0]), str(row[1]))
+    return known
+
+
+def url_identity(url: str) -> Identity:
+    """Which database ``url`` reaches (one short connection; the App remembers it)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        return connection_identity(conn)
+
+
+async def url_identity_async(url: str) -> Identity:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        return await connection_identity_async(conn)
