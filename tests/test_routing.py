@@ -245,6 +245,18 @@ def test_enqueue_on_another_databases_connection_is_refused(
     assert jobs_on(reports_url) == [] and jobs_on(database_url) == []
 
 
+def test_a_connection_is_matched_by_its_database_not_its_url(
+    database_url: str, reports_url: str
+) -> None:
+    app = routed_app(database_url, reports_url)
+    other_spelling = make_conninfo(reports_url, application_name="another-url-same-database")
+
+    with psycopg.connect(other_spelling) as conn:
+        app.tasks["routing.report"].enqueue(conn, n=1)
+
+    assert jobs_on(reports_url) == [("reports", "routing.report")]
+
+
 def test_async_enqueue_is_routed_and_refused_alike(database_url: str, reports_url: str) -> None:
     app = routed_app(database_url, reports_url)
     report = app.tasks["routing.report"]

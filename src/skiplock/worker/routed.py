@@ -10,13 +10,17 @@ signals and its shutdown: concurrency is per database.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 from collections.abc import Sequence
 from typing import Any
 
 from skiplock.app import App
 from skiplock.errors import ConfigurationError
+from skiplock.routing import describe_url
 from skiplock.worker.worker import Worker
+
+log = logging.getLogger("skiplock.worker")
 
 
 class RoutedWorker:
@@ -54,6 +58,12 @@ class RoutedWorker:
     async def run_async(self, *, handle_signals: bool = False) -> None:
         """Run the workers together. When one of them fails (its database lacks a
         migration, say), the others are stopped and its error is raised."""
+        for worker in self.workers:
+            log.info(
+                "serving %s on %s",
+                ", ".join(worker.queues),
+                describe_url(worker.app.database_url),
+            )
         tasks = [asyncio.ensure_future(worker.run_async()) for worker in self.workers]
         # Each run_async sets up its stop event before its first await: after this yield
         # every worker can take a signal.
