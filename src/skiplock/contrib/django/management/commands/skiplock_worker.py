@@ -17,6 +17,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
+from skiplock import pooler
 from skiplock.errors import ConfigurationError, SkiplockError
 
 log = logging.getLogger("skiplock.contrib.django")
@@ -55,7 +56,12 @@ class Command(BaseCommand):
             help="jobs to claim beyond free slots (default auto; 0 turns it off)",
         )
         parser.add_argument("--lease", type=float, default=30.0, help="lease seconds")
-        parser.add_argument("--poll-interval", type=float, default=1.0, help="fallback poll")
+        parser.add_argument(
+            "--poll-interval",
+            type=float,
+            default=None,
+            help="fallback poll seconds (default 1; 0.2 without a listener)",
+        )
         parser.add_argument("--shutdown-timeout", type=float, default=30.0)
         parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics here")
         parser.add_argument("--metrics-host", default="127.0.0.1")
@@ -70,6 +76,15 @@ class Command(BaseCommand):
             action="store_true",
             help="behind a transaction-mode pooler (PgBouncer): rescue by lease expiry only",
         )
+        parser.add_argument(
+            "--tcp-user-timeout",
+            type=float,
+            default=30.0,
+            help="drop a connection whose peer stopped answering after about this long "
+            "(TCP keepalives and tcp_user_timeout, unless the URL sets them; 0: the "
+            "system's defaults; default 30)",
+        )
+        pooler.add_worker_arguments(parser)  # --pooler, --listen-url, --no-listen
 
     def handle(self, *args: Any, **options: Any) -> None:
         _configure_logging(int(options["verbosity"]))
@@ -147,6 +162,8 @@ def _run(options: dict[str, Any]) -> None:
         lease_seconds=options["lease"],
         shutdown_timeout=options["shutdown_timeout"],
         liveness_lock=not options["no_liveness_lock"],
+        tcp_user_timeout=options["tcp_user_timeout"] or None,
+        **pooler.worker_settings(argparse.Namespace(**options), dict(os.environ)),
         metrics=metrics,
         history_retention=None if retention <= 0 else timedelta(days=retention),
     )
