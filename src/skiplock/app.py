@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar, overload
@@ -284,6 +287,24 @@ class App:
     ) -> Any:
         where = self if queue is None else self._result_app(self.database_url_for(queue))
         return await wait_for_result_async(where, job_id, timeout)
+
+
+def load_app(spec: str) -> App:
+    """The App at ``module:attribute`` (``--app``), imported with the current directory
+    importable, as ``python -m`` does: what the CLI and the dashboard run."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ConfigurationError(f"expected MODULE:APP (e.g. myapp.tasks:app), got {spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot import {module_name!r}: {exc}") from exc
+    app = getattr(module, attribute, None)
+    if not isinstance(app, App):
+        raise ConfigurationError(f"{spec!r} is not a skiplock.App (got {type(app).__name__})")
+    return app
 
 
 def _send(tracing: Tracing, jobs: Sequence[JobSpec]) -> AbstractContextManager[Send]:

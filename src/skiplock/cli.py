@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import logging
 import os
@@ -22,30 +21,13 @@ import psycopg
 import psycopg.conninfo
 
 from skiplock import client, pooler, routing
-from skiplock.app import App
+from skiplock.app import App, load_app
 from skiplock.config import DATABASE_URL_ENV, DEFAULT_SCHEMA, EMBEDDED, SCHEMA_ENV
 from skiplock.errors import ConfigurationError, SkiplockError
 from skiplock.migrate import Migration, available_migrations, migrate, pending_migrations
 from skiplock.replica import READ_URL_ENV, replica_state
 from skiplock.tasks import MAX_QUEUE_NAME, check_name, parse_rate
 from skiplock.types import Job
-
-
-def load_app(spec: str) -> App:
-    """Import ``module:attribute`` (the current directory is importable, like python -m)."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ConfigurationError(f"expected MODULE:APP (e.g. myapp.tasks:app), got {spec!r}")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigurationError(f"cannot import {module_name!r}: {exc}") from exc
-    app = getattr(module, attribute, None)
-    if not isinstance(app, App):
-        raise ConfigurationError(f"{spec!r} is not a skiplock.App (got {type(app).__name__})")
-    return app
 
 
 def _app_from_args(args: argparse.Namespace) -> App:

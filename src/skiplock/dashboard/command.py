@@ -7,18 +7,13 @@ as for every command; this module only adds the dashboard's own options.
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
-import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from skiplock.config import DEFAULT_SCHEMA, SCHEMA_ENV, resolve_database_url
 from skiplock.dashboard import security
 from skiplock.errors import ConfigurationError
-
-if TYPE_CHECKING:
-    from skiplock.app import App
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8089
@@ -61,24 +56,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _load_app(spec: str) -> App:
-    from skiplock.app import App  # noqa: PLC0415 - only for the isinstance check
-
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ConfigurationError(f"--app: expected MODULE:APP (e.g. myapp.tasks:app), got {spec!r}")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigurationError(f"--app: cannot import {module_name!r}: {exc}") from exc
-    app = getattr(module, attribute, None)
-    if not isinstance(app, App):
-        raise ConfigurationError(f"--app {spec!r} is not a skiplock.App")
-    return app
-
-
 def run(args: argparse.Namespace) -> int:
     """Check the options, then serve until interrupted."""
     try:
@@ -95,7 +72,9 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.port <= 65535:
         raise ConfigurationError(f"--port {args.port}: use 1 to 65535")
     schema = args.schema or os.environ.get(SCHEMA_ENV) or DEFAULT_SCHEMA
-    app = _load_app(args.app) if args.app else None
+    from skiplock.app import load_app  # noqa: PLC0415
+
+    app = load_app(args.app) if args.app else None
     database_url = resolve_database_url(args.database_url)
     web = create_app(
         database_url,

@@ -151,12 +151,10 @@ QUEUE_LIST = """
 SELECT name, paused, concurrency_limit, rate_limit, rate_period FROM {queues} ORDER BY name
 """
 
-# Monitoring figures per queue. The oldest ready age counts from when the job became due
-# (its retry_at after a failure), including due jobs the promoter has not moved yet.
-# Failures in the last minute are the error records stamped in it, on live jobs attempted
-# in that minute and on jobs finished in it.
-QUEUE_STATS = """
-WITH live AS (
+# Live jobs per queue and state, and the age of the oldest ready one (from when it became
+# due: its retry_at after a failure, including due jobs the promoter has not moved yet).
+# Shared by `skiplock status` (QUEUE_STATS) and the dashboard's overview.
+LIVE_QUEUE_COUNTS = """
     SELECT queue,
            count(*) FILTER (WHERE state = 'blocked') AS blocked,
            count(*) FILTER (WHERE state = 'available') AS available,
@@ -169,7 +167,17 @@ WITH live AS (
                  AND greatest(run_at, retry_at) <= now()))::float8 AS oldest_ready_seconds
     FROM {jobs}
     GROUP BY queue
-), recent AS (
+"""
+
+# Monitoring figures per queue: LIVE_QUEUE_COUNTS with the last minute's. Failures in the
+# last minute are the error records stamped in it, on live jobs attempted
+# in that minute and on jobs finished in it.
+QUEUE_STATS = (
+    """
+WITH live AS (
+"""
+    + LIVE_QUEUE_COUNTS
+    + """), recent AS (
     SELECT queue, errors, false AS finished FROM {jobs}
     WHERE attempted_at > now() - interval '1 minute'
     UNION ALL
@@ -204,6 +212,7 @@ FULL JOIN minute AS m USING (queue)
 FULL JOIN serving AS s USING (queue)
 ORDER BY queue
 """
+)
 
 # Who is working: one row per registered worker process.
 WORKER_LIST = """

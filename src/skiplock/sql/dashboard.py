@@ -10,6 +10,8 @@ reads n rows however deep the page, where OFFSET would read and discard every ro
 it (a million on the last page of history).
 """
 
+from skiplock.sql.admin import LIVE_QUEUE_COUNTS
+
 
 def _filters(time_column: str) -> str:
     """The filters shared by both tables. ``args_text`` is matched against the arguments'
@@ -125,21 +127,12 @@ SELECT worker_id, count(*) FROM {jobs} WHERE state = 'running' GROUP BY worker_i
 # same oldest-ready rule) in one pass over the jobs table, without its last-minute failure
 # figures, which expand every recent job's errors and read the table a second time; the
 # chart shows finished jobs instead.
-QUEUE_COUNTS = """
+QUEUE_COUNTS = (
+    """
 WITH live AS (
-    SELECT queue,
-           count(*) FILTER (WHERE state = 'blocked') AS blocked,
-           count(*) FILTER (WHERE state = 'available') AS available,
-           count(*) FILTER (WHERE state = 'scheduled') AS scheduled,
-           count(*) FILTER (WHERE state = 'running') AS running,
-           count(*) FILTER (WHERE state = 'retryable') AS retryable,
-           count(*) FILTER (WHERE state = 'dead') AS dead,
-           extract(epoch FROM now() - min(greatest(run_at, retry_at)) FILTER (
-               WHERE state IN ('available', 'scheduled', 'retryable')
-                 AND greatest(run_at, retry_at) <= now()))::float8 AS oldest_ready_seconds
-    FROM {jobs}
-    GROUP BY queue
-), serving AS (
+"""
+    + LIVE_QUEUE_COUNTS
+    + """), serving AS (
     SELECT q AS queue, count(*) AS workers
     FROM {workers}, unnest(queues) AS q
     GROUP BY q
@@ -157,6 +150,7 @@ FROM live AS l
 FULL JOIN serving AS s USING (queue)
 ORDER BY queue
 """
+)
 
 # Text in the arguments is matched by casting each row's jsonb to text, the costliest
 # test here (about 2 us a row), and an error class by reading each row's errors.
