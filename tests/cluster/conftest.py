@@ -11,7 +11,6 @@ PostgreSQL 15 binaries). Figures are printed at the end of the run and, when
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 
 import skiplock
 from chaos.conftest import SCHEMA, ChaosDatabase
+from figures import FigureLog
 
 from .harness import DATABASE, Cluster, HostFleet, remove_leftovers, unavailable
 
@@ -74,26 +74,9 @@ def hosts(cluster: Cluster, cluster_db: ChaosDatabase, tmp_path: Path) -> Iterat
             fleet.close()
 
 
-FIGURES: list[dict[str, Any]] = []
-
-
-def record_figures(figures: dict[str, Any]) -> None:
-    """Keep a scenario's figures for the summary, and append them to the report file."""
-    FIGURES.append(figures)
-    report = os.environ.get(REPORT_ENV)
-    if report:
-        with open(report, "a", encoding="utf-8") as out:
-            out.write(json.dumps(figures, default=str) + "\n")
+FIGURE_LOG = FigureLog("cluster figures", REPORT_ENV)
+record_figures = FIGURE_LOG.record
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if not FIGURES:
-        return
-    terminalreporter.section("cluster figures")
-    for figures in FIGURES:
-        line = ", ".join(
-            f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
-            for k, v in figures.items()
-            if k != "scenario"
-        )
-        terminalreporter.write_line(f"{figures['scenario']}: {line}")
+    FIGURE_LOG.summary(terminalreporter)
