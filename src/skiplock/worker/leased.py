@@ -289,10 +289,10 @@ class LeasedJobs:
         if entry is not None and entry[1] is asyncio.current_task():
             return False
         log.warning(
-            "job %s attempt %s: given back while it waited for a slot and claimed again; "
-            "the new claim runs it",
+            "job %s attempt %s: given back while it waited for a slot%s; not starting it",
             job.id,
             job.attempts,
+            "" if entry is None else " and claimed again (the new claim runs it)",
         )
         return True
 
