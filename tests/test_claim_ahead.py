@@ -175,3 +175,54 @@ def test_a_job_claimed_ahead_and_given_back_while_it_waited_does_not_start(
     wait_until(lambda: not jobs.held, 30.0, "the worker to finish")
     assert ran == ["waiting"]
     assert handle.worker.stats.lost_leases == 1
+
+
+def test_a_job_given_back_while_it_ran_and_claimed_again_is_completed_by_the_new_claim(
+    app: skiplock.App, start_worker: StartWorker
+) -> None:
+    """A job given back while its handler ran (its lease found expired) can be claimed
+    again by the same worker under the same attempt number, which the fence cannot tell
+    apart: the outcome written must be the new claim's, never the stale run's."""
+    releases = [threading.Event(), threading.Event()]
+    runs: list[int] = []
+    ended: list[int] = []
+
+    @app.task(name="slow")
+    def slow() -> int:
+        runs.append(len(runs) + 1)
+        run = len(runs)
+        releases[run - 1].wait(30)
+        ended.append(run)
+        return run
+
+    with psycopg.connect(app.database_url) as conn:
+        (job_id,) = app.enqueue_many(conn, [slow.job()])
+    handle = start_worker(app, concurrency=2, prefetch=0)
+    wait_until(lambda: runs == [1], 30.0, "the first run to start")
+    # What a rescuer does to a job whose lease ran out, with its wake-up.
+    with psycopg.connect(app.database_url, autocommit=True) as conn:
+        conn.execute(
+            f"UPDATE {app.schema}.jobs SET state = 'available', worker_id = NULL, "
+            "lease_expires_at = NULL, attempts = attempts - 1 WHERE id = %s",
+            (job_id,),
+        )
+        conn.execute(
+            "SELECT pg_notify(%s, queue || E'\\t' || priority || E'\\t' "
+            f"|| extract(epoch FROM run_at)) FROM {app.schema}.jobs WHERE id = %s",
+            (notify_channel(app.schema), job_id),
+        )
+    wait_until(lambda: runs == [1, 2], 30.0, "the job claimed again by the same worker")
+    releases[0].set()  # the stale run ends first, while the new claim holds the job
+    wait_until(lambda: ended == [1], 30.0, "the stale run to end")
+    releases[1].set()
+
+    def finished() -> object:
+        with psycopg.connect(app.database_url) as conn:
+            row = conn.execute(
+                f"SELECT result FROM {app.schema}.job_history WHERE id = %s", (job_id,)
+            ).fetchone()
+        return None if row is None else row[0]
+
+    wait_until(lambda: finished() is not None, 30.0, "the job to be completed")
+    assert finished() == 2  # the new claim's run, not the stale one's
+    assert handle.worker.stats.lost_leases == 1

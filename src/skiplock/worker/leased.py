@@ -226,8 +226,20 @@ class LeasedJobs:
             if outcome.error is not None:
                 self._metrics.job_failed(job.queue, job.task, outcome.error)
             job_log.finished(job, outcome, seconds)
-            if self.held.get(job.id, (None, None))[1] is asyncio.current_task():
+            holder = self.held.get(job.id, (None, None))[1]
+            if holder is asyncio.current_task():
                 self.completer.add(outcome)
+            elif holder is not None:
+                # Given back while it ran and claimed again by this worker: the new claim
+                # writes the attempt's outcome; this one must not (the fence could not
+                # tell the two apart).
+                self._stats.lost_leases += 1
+                log.warning(
+                    "lost the lease of job %s attempt %s while it ran (given back and "
+                    "claimed again); its outcome is dropped",
+                    job.id,
+                    job.attempts,
+                )
         finally:
             # Another task may hold the job now (given back and claimed again by this
             # worker): its entries are left alone.
@@ -253,6 +265,7 @@ class LeasedJobs:
         (tests/cluster showed such jobs run twice). Unconfirmed, it is dropped without an
         outcome: if it is still ours after all, its lease runs out and it runs again."""
         if self._superseded(job):
+            self._stats.lost_leases += 1
             return False
         latest = max(claimed_at, self.confirmed_at)
         if self.starts is None or time.monotonic() - latest <= self.confirm_after:
@@ -268,8 +281,10 @@ class LeasedJobs:
                 exc,
             )
             ours = False
+            self._stats.lost_leases += 1
         else:
             if not ours:
+                self._stats.lost_leases += 1
                 log.warning(
                     "job %s attempt %s: given back while it waited for a slot (this "
                     "worker was out of touch); not starting it",
@@ -277,9 +292,8 @@ class LeasedJobs:
                     job.attempts,
                 )
         if ours and self._superseded(job):
-            return False
-        if not ours:
             self._stats.lost_leases += 1
+            return False
         return ours
 
     def _superseded(self, job: ClaimedJob) -> bool:
