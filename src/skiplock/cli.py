@@ -752,6 +752,8 @@ SCENARIOS = (
     "lowconc",
     "enqueue-concurrent",
     "dashboard",
+    "hosts",
+    "failover",
 )
 
 
@@ -1053,7 +1055,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=200, help="per worker process")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--history-rows", type=int, default=1_000_000)
-    p.add_argument("--rate", type=int, default=1000, help="pressure: jobs/s offered")
+    p.add_argument("--rate", type=int, default=1000, help="pressure and failover: jobs/s offered")
     p.add_argument(
         "--phases",
         default="20,60,180,60",

@@ -1,4 +1,4 @@
-"""Fixtures for the cluster tests: hosts as network namespaces (harness.py), a server of
+"""Fixtures for the cluster tests: hosts as network namespaces (skiplock.topology), a server of
 the module's own, worker fleets per test, and the figures they measure.
 
 The size is ``SKIPLOCK_CLUSTER_JOBS`` (default 1,500 jobs per scenario) and the outage
@@ -22,8 +22,9 @@ import pytest
 import skiplock
 from chaos.conftest import SCHEMA, ChaosDatabase
 from figures import FigureLog
+from skiplock.topology import Topology, remove_leftovers, unavailable
 
-from .harness import DATABASE, Cluster, HostFleet, remove_leftovers, unavailable
+from .harness import HostFleet
 
 JOBS = int(os.environ.get("SKIPLOCK_CLUSTER_JOBS", "1500"))
 OUTAGE = float(os.environ.get("SKIPLOCK_CLUSTER_OUTAGE", "8"))
@@ -31,29 +32,26 @@ REPORT_ENV = "SKIPLOCK_CLUSTER_REPORT"
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
+def cluster() -> Iterator[Topology]:
     """Namespaces, bridge and a migrated server for the module; removed after it, also
     when a test failed or the setup broke half-way."""
     reason = unavailable()
     if reason is not None:
         pytest.skip(reason)
     remove_leftovers()
-    built = Cluster()
+    built = Topology(workers=3)
     try:
-        built.up()
-        with psycopg.connect(built.server.local_url("postgres"), autocommit=True) as admin:
-            admin.execute(f"CREATE DATABASE {DATABASE}")
-        skiplock.App(built.server.local_url(), schema=SCHEMA).migrate()
+        built.up(lambda url: skiplock.App(url, schema=SCHEMA).migrate())
         yield built
     finally:
         built.down()
 
 
 @pytest.fixture
-def cluster_db(cluster: Cluster) -> Iterator[ChaosDatabase]:
+def cluster_db(cluster: Topology) -> Iterator[ChaosDatabase]:
     """The cluster's database with empty queue tables and execution record, and the
     test's connection to it (through the server's socket, from the root namespace)."""
-    url = cluster.server.local_url()
+    url = cluster.primary.local_url()
     db = ChaosDatabase(url, psycopg.connect(url, autocommit=True))
     db.reset()
     yield db
@@ -61,7 +59,7 @@ def cluster_db(cluster: Cluster) -> Iterator[ChaosDatabase]:
 
 
 @pytest.fixture
-def hosts(cluster: Cluster, cluster_db: ChaosDatabase, tmp_path: Path) -> Iterator[HostFleet]:
+def hosts(cluster: Topology, cluster_db: ChaosDatabase, tmp_path: Path) -> Iterator[HostFleet]:
     """Workers on the cluster's hosts; every link is restored and every process killed
     (stopped ones too) at teardown."""
     fleet = HostFleet(cluster, tmp_path)

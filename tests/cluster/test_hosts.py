@@ -38,9 +38,10 @@ from chaos.test_chaos import (
     percentile,
     running_sync_pids,
 )
+from skiplock.topology import run
 
 from .conftest import JOBS, OUTAGE, record_figures
-from .harness import HOSTS, HostFleet, run
+from .harness import HOSTS, HostFleet
 
 PER_HOST = 2
 CONCURRENCY = 8

@@ -1,5 +1,6 @@
-"""Fixtures for the failover tests: a primary and its standby on hosts of the cluster
-harness (replication.py), built afresh for each test (a failover uses them up).
+"""Fixtures for the failover tests: a primary and its streaming standby on hosts of a
+``skiplock.topology.Topology``, with two worker hosts, built afresh for each test (a
+failover uses them up).
 
 The size is ``SKIPLOCK_FAILOVER_JOBS`` (default 1,000 jobs per scenario, the CI size;
 20,000 is the full size). The tests skip, saying why, where they cannot build
@@ -20,40 +21,39 @@ import pytest
 
 import skiplock
 from chaos.conftest import SCHEMA, ChaosDatabase
-from cluster.harness import DATABASE, remove_leftovers
+from cluster.harness import HostFleet
 from figures import FigureLog
-
-from .replication import FailoverCluster, FailoverFleet, failover_unavailable
+from skiplock.topology import Topology, remove_leftovers, unavailable
 
 JOBS = int(os.environ.get("SKIPLOCK_FAILOVER_JOBS", "1000"))
+WORKER_HOSTS = ("h1", "h2")
 REPORT_ENV = "SKIPLOCK_FAILOVER_REPORT"
 
 
 def prepare_database(local_url: str) -> None:
-    """The database, skiplock's schema and the chaos suite's execution record, made on the
-    primary before the standby is copied from it."""
-    admin_url = local_url.replace(f"dbname={DATABASE}", "dbname=postgres")
-    with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(f"CREATE DATABASE {DATABASE}")
+    """skiplock's schema and the chaos suite's execution record, made on the primary
+    before the standby is copied from it."""
     skiplock.App(local_url, schema=SCHEMA).migrate()
     with psycopg.connect(local_url, autocommit=True) as conn:
         ChaosDatabase(local_url, conn).reset()
 
 
 @pytest.fixture
-def build_cluster() -> Iterator[Callable[[bool], FailoverCluster]]:
+def build_cluster() -> Iterator[Callable[[bool], Topology]]:
     """Builds a primary and a standby, synchronous or not; removed after the test, also
     when it failed or the setup broke half-way."""
-    reason = failover_unavailable()
+    reason = unavailable(standby=True)
     if reason is not None:
         pytest.skip(reason)
     remove_leftovers()
-    built: list[FailoverCluster] = []
+    built: list[Topology] = []
 
-    def build(synchronous: bool) -> FailoverCluster:
-        cluster = FailoverCluster(prepare_database, synchronous=synchronous)
+    def build(synchronous: bool) -> Topology:
+        # Its own run name, so that a pytest run with the cluster tests never reuses
+        # their namespaces.
+        cluster = Topology(workers=len(WORKER_HOSTS), standby=True, tag="fo")
         built.append(cluster)
-        cluster.up()
+        cluster.up(prepare_database, synchronous=synchronous)
         return cluster
 
     try:
@@ -64,12 +64,13 @@ def build_cluster() -> Iterator[Callable[[bool], FailoverCluster]]:
 
 
 @pytest.fixture
-def fleet_on(tmp_path: Path) -> Iterator[Callable[[FailoverCluster], FailoverFleet]]:
-    """Worker fleets on a cluster's URL; every process is killed at teardown."""
-    fleets: list[FailoverFleet] = []
+def fleet_on(tmp_path: Path) -> Iterator[Callable[[Topology], HostFleet]]:
+    """Worker fleets on a cluster's URL, which names both servers; every process is killed
+    at teardown."""
+    fleets: list[HostFleet] = []
 
-    def make(cluster: FailoverCluster) -> FailoverFleet:
-        fleets.append(FailoverFleet(cluster, tmp_path))
+    def make(cluster: Topology) -> HostFleet:
+        fleets.append(HostFleet(cluster, tmp_path))
         return fleets[-1]
 
     try:

@@ -36,9 +36,10 @@ import pytest
 
 from chaos.conftest import ROOT, SCHEMA, ChaosDatabase, utcnow, wait_until
 from chaos.test_chaos import LOST_CLAIM, drain, explain_lost_claims, judge
+from cluster.harness import HostFleet
+from skiplock.topology import STANDBY, Topology
 
-from .conftest import JOBS, record_figures
-from .replication import STANDBY, WORKER_HOSTS, FailoverCluster, FailoverFleet
+from .conftest import JOBS, WORKER_HOSTS, record_figures
 
 PER_HOST = 1
 CONCURRENCY = 8
@@ -106,31 +107,30 @@ class Enqueued:
         return enqueued
 
 
-def start_enqueuer(cluster: FailoverCluster, out: Path, seed: int) -> subprocess.Popen[bytes]:
+def start_enqueuer(cluster: Topology, out: Path, seed: int) -> subprocess.Popen[bytes]:
     interval = ENQUEUE_SECONDS / max(1, JOBS // BATCH)
-    command = [
-        "ip",
-        "netns",
-        "exec",
-        cluster.network.namespace(WORKER_HOSTS[0]),
-        sys.executable,
-        "-m",
-        "failover.enqueuer",
-        "--url",
-        cluster.url,
-        "--jobs",
-        str(JOBS),
-        "--batch",
-        str(BATCH),
-        "--interval",
-        f"{interval:.4f}",
-        "--seed",
-        str(seed),
-        "--patience",
-        str(ENQUEUER_PATIENCE),
-        "--out",
-        str(out),
-    ]
+    command = cluster.network.run_in(
+        WORKER_HOSTS[0],
+        [
+            sys.executable,
+            "-m",
+            "failover.enqueuer",
+            "--url",
+            cluster.url,
+            "--jobs",
+            str(JOBS),
+            "--batch",
+            str(BATCH),
+            "--interval",
+            f"{interval:.4f}",
+            "--seed",
+            str(seed),
+            "--patience",
+            str(ENQUEUER_PATIENCE),
+            "--out",
+            str(out),
+        ],
+    )
     with (out.parent / "enqueuer.log").open("wb") as log:
         return subprocess.Popen(command, cwd=ROOT / "tests", stdout=log, stderr=subprocess.STDOUT)
 
@@ -153,7 +153,7 @@ class Failover:
     received: int  # the standby's last received WAL position when the primary was gone
 
 
-def walsender_pid(cluster: FailoverCluster) -> int:
+def walsender_pid(cluster: Topology) -> int:
     with psycopg.connect(cluster.primary.local_url(), autocommit=True) as conn:
         row = conn.execute(
             "SELECT pid FROM pg_stat_replication WHERE application_name = %s", (STANDBY,)
@@ -167,7 +167,7 @@ def receiving(standby: psycopg.Connection[Any]) -> bool:
     return row is not None and int(row[0]) > 0
 
 
-def fail_over(cluster: FailoverCluster, fleet: FailoverFleet) -> Failover:
+def fail_over(cluster: Topology, fleet: HostFleet) -> Failover:
     """The standby falls behind (the primary's WAL sender is stopped for LAG seconds),
     then the primary's host dies (every process SIGKILLed), then the standby is promoted
     as soon as it has noticed."""
@@ -199,7 +199,7 @@ def first_completion_after(db: ChaosDatabase, moment: datetime) -> datetime:
 
 
 def run_failover(
-    cluster: FailoverCluster, fleet: FailoverFleet, out: Path, seed: int
+    cluster: Topology, fleet: HostFleet, out: Path, seed: int
 ) -> tuple[ChaosDatabase, Failover, Enqueued]:
     with psycopg.connect(cluster.primary.local_url(), autocommit=True) as conn:
         old = ChaosDatabase(cluster.primary.local_url(), conn)
@@ -254,8 +254,8 @@ def figures_of(
 def test_synchronous_failover_loses_no_committed_job_and_completes_none_twice(
     build_cluster: Any, fleet_on: Any, tmp_path: Path, seed: int
 ) -> None:
-    cluster: FailoverCluster = build_cluster(True)
-    fleet: FailoverFleet = fleet_on(cluster)
+    cluster: Topology = build_cluster(True)
+    fleet: HostFleet = fleet_on(cluster)
     db, failover, enqueued = run_failover(cluster, fleet, tmp_path / "enqueued.jsonl", seed)
     try:
         ids = sorted(set(enqueued.committed) | present(db))
@@ -286,8 +286,8 @@ def test_synchronous_failover_loses_no_committed_job_and_completes_none_twice(
 def test_asynchronous_failover_loses_only_what_the_standby_had_not_received(
     build_cluster: Any, fleet_on: Any, tmp_path: Path, seed: int
 ) -> None:
-    cluster: FailoverCluster = build_cluster(False)
-    fleet: FailoverFleet = fleet_on(cluster)
+    cluster: Topology = build_cluster(False)
+    fleet: HostFleet = fleet_on(cluster)
     db, failover, enqueued = run_failover(cluster, fleet, tmp_path / "enqueued.jsonl", seed)
     try:
         ids = sorted(set(enqueued.committed) | present(db))

@@ -14,8 +14,7 @@ from chaos.chaos_app import work_async
 from chaos.conftest import SCHEMA, wait_until
 from skiplock.cli import main
 from skiplock.replica import READ_URL_ENV, ReplicaState
-
-from .replication import FailoverCluster
+from skiplock.topology import Topology
 
 
 def test_the_lag_is_said_in_seconds_or_as_unknown() -> None:
@@ -47,7 +46,7 @@ def test_writes_never_go_to_the_read_url(
 
 @pytest.mark.timeout(120)
 def test_status_and_jobs_list_read_from_the_standby_and_say_its_lag(
-    build_cluster: Callable[[bool], FailoverCluster],
+    build_cluster: Callable[[bool], Topology],
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -7,12 +7,14 @@ itself does not blur them. Every scenario runs in its own schema, dropped afterw
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import itertools
 import json
 import multiprocessing
 import os
 import queue
+import re
 import signal
 import statistics
 import subprocess
@@ -23,6 +25,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -33,8 +36,11 @@ from skiplock.completer import Outcome, outcome_writes
 from skiplock.config import DATABASE_URL_ENV, SCHEMA_ENV, done_channel, resolve_database_url
 from skiplock.cursor import ClaimCursor
 from skiplock.sql import claim, complete, render
+from skiplock.topology import Network, postgres_bin
 
 BENCH_SCHEMA = "skiplock_bench"
+# Scenarios on servers the bench builds itself, on hosts of its own (bench/hosts.py).
+OWN_SERVERS = ("hosts", "failover")
 REFERENCE_SCHEMA = "skiplock_bench_reference"
 # Extra arguments for every bench worker process (``bench --worker-args``), for A/B runs
 # of a setting; empty means the worker's defaults.
@@ -47,6 +53,12 @@ app = App(schema=os.environ.get(SCHEMA_ENV, BENCH_SCHEMA))
 @app.task(name="bench.noop")
 async def noop() -> None:
     return None
+
+
+@app.task(name="bench.pause")
+async def pause(ms: int) -> None:
+    """A short job: the failover scenario's drain must still run when the primary goes."""
+    await asyncio.sleep(ms / 1000)
 
 
 @app.task(name="bench.probe")
@@ -147,6 +159,16 @@ def feature_jobs(conn: psycopg.Connection[Any], schema: str, feature: str, count
     )
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Bench workers on hosts of a topology (skiplock.topology): ``processes`` on each of
+    ``hosts``, reaching the server at ``url`` across the topology's bridge."""
+
+    network: Network
+    hosts: tuple[str, ...]
+    url: str
+
+
 @contextmanager
 def worker_processes(
     url: str,
@@ -154,10 +176,16 @@ def worker_processes(
     processes: int,
     concurrency: int,
     extra_args: Sequence[str] = (),
+    *,
+    placement: Placement | None = None,
+    logs: Path | None = None,
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Start ``processes`` worker processes and wait until each has registered. The URL
-    goes in their environment: a command line is readable by every user of the machine."""
-    env = {**os.environ, DATABASE_URL_ENV: url, SCHEMA_ENV: schema}
+    """Start ``processes`` worker processes (on each host of ``placement``, if given) and
+    wait until each has registered; with ``logs``, each one's output goes to a file there.
+    The URL goes in their environment: a command line is readable by every user of the
+    machine."""
+    worker_url = url if placement is None else placement.url
+    env = {**os.environ, DATABASE_URL_ENV: worker_url, SCHEMA_ENV: schema}
     command = [
         sys.executable,
         "-m",
@@ -173,17 +201,31 @@ def worker_processes(
         *extra_args,
         *WORKER_ARGS,
     ]
-    children = [
-        subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(processes)
-    ]
+    commands = (
+        [command] * processes
+        if placement is None
+        else [
+            placement.network.run_in(h, command) for h in placement.hosts for _ in range(processes)
+        ]
+    )
+    children = []
+    for index, argv in enumerate(commands):
+        out: Any = subprocess.DEVNULL
+        if logs is not None:
+            logs.mkdir(parents=True, exist_ok=True)
+            out = (logs / f"worker-{index}.log").open("wb")
+        try:
+            children.append(subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT))
+        finally:
+            if logs is not None:
+                out.close()
     try:
         with psycopg.connect(url, autocommit=True) as conn:
             deadline = time.monotonic() + 60
             query = sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "workers"))
             while True:
                 row = conn.execute(query).fetchone()
-                if row is not None and row[0] >= processes:
+                if row is not None and row[0] >= len(children):
                     break
                 if time.monotonic() > deadline or any(c.poll() is not None for c in children):
                     raise RuntimeError("bench worker processes did not start")
@@ -236,10 +278,12 @@ def drain_once(
     concurrency: int,
     setup: Callable[[psycopg.Connection[Any]], None] | None = None,
     feature: str | None = None,
+    placement: Placement | None = None,
 ) -> float:
     """Jobs per second for ``jobs`` no-op jobs committed at once, workers already idle;
-    with ``feature``, every job uses it (FEATURES)."""
-    return drain_measured(url, schema, jobs, processes, concurrency, setup, feature)[0]
+    with ``feature``, every job uses it (FEATURES); with ``placement``, the workers run
+    on hosts of a topology."""
+    return drain_measured(url, schema, jobs, processes, concurrency, setup, feature, placement)[0]
 
 
 def drain_measured(
@@ -250,6 +294,7 @@ def drain_measured(
     concurrency: int,
     setup: Callable[[psycopg.Connection[Any]], None] | None = None,
     feature: str | None = None,
+    placement: Placement | None = None,
 ) -> tuple[float, Cpu]:
     """``drain_once``, with the CPU the drain cost per job: the worker processes' and
     that of the PostgreSQL backends serving them."""
@@ -257,7 +302,7 @@ def drain_measured(
         if setup is not None:
             setup(conn)
             conn.execute(sql.SQL("VACUUM ANALYZE {}").format(sql.Identifier(schema, "jobs")))
-        with worker_processes(url, schema, processes, concurrency) as children:
+        with worker_processes(url, schema, processes, concurrency, placement=placement) as children:
             meter = CpuMeter(conn, [c.pid for c in children], "skiplock %")
             with conn.transaction():
                 if feature is None:
@@ -783,8 +828,6 @@ def run(
     enqueue_seconds: float = 20.0,
     worker_args: Sequence[str] = (),
 ) -> int:
-    # With nothing configured, bench measures the embedded server (as demo runs on it).
-    url = resolve_database_url(database_url, fallback_embedded=True)
     schema = BENCH_SCHEMA
     WORKER_ARGS[:] = worker_args
     figures: list[Figure] = []
@@ -794,12 +837,22 @@ def run(
         if not as_json:
             print(figure.line(), flush=True)
 
-    with psycopg.connect(url) as conn:
-        version = conn.execute("SHOW server_version").fetchone()
-        fsync = conn.execute("SHOW fsync").fetchone()
+    # The hosts and failover scenarios build servers of their own; the others measure
+    # --database-url, or with nothing configured the embedded server (as demo runs on it).
+    own_servers = set(scenarios) <= set(OWN_SERVERS)
+    url = "" if own_servers else resolve_database_url(database_url, fallback_embedded=True)
+    version, fsync = "?", "on"
+    if url:
+        with psycopg.connect(url) as conn:
+            settings = conn.execute(
+                "SELECT current_setting('server_version'), current_setting('fsync')"
+            ).fetchone()
+            version, fsync = settings or ("?", "?")
+    else:
+        version = own_server_version()
     meta = {
-        "server_version": version[0] if version else "?",
-        "fsync": fsync[0] if fsync else "?",
+        "server_version": version,
+        "fsync": fsync,
         "cpus": os.cpu_count(),
         "jobs": jobs,
         "processes": processes,
@@ -815,6 +868,16 @@ def run(
     drain_median: float | None = None
     pressure_runs: list[list[dict[str, Any]]] = []
     for scenario in scenarios:
+        if scenario in OWN_SERVERS:
+            from skiplock.bench import hosts  # noqa: PLC0415 - needs root; builds servers
+
+            if scenario == "hosts":
+                built = hosts.hosts_figures(jobs, processes, concurrency, runs)
+            else:
+                built = hosts.failover_figures(jobs, processes, concurrency, runs, rate)
+            for figure in built:
+                report(figure)
+            continue
         if scenario == "enqueue":
             fig = Figure("enqueue (enqueue_many)", "jobs/s")
             fig.runs = [enqueue_once(url, schema, jobs) for _ in range(runs)]
@@ -917,6 +980,18 @@ def run(
             )
         )
     return 0
+
+
+def own_server_version() -> str:
+    """The version of the binaries the hosts and failover scenarios run (``postgres -V``)."""
+    binaries = postgres_bin()
+    if binaries is None:
+        return "?"
+    done = subprocess.run(
+        [str(binaries / "postgres"), "-V"], capture_output=True, text=True, check=False
+    )
+    found = re.search(r"\d+(?:\.\d+)+", done.stdout)
+    return found.group(0) if done.returncode == 0 and found else "?"
 
 
 @dataclass(frozen=True)
