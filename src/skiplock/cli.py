@@ -25,7 +25,7 @@ from skiplock.app import App, load_app
 from skiplock.config import DATABASE_URL_ENV, DEFAULT_SCHEMA, EMBEDDED, SCHEMA_ENV
 from skiplock.errors import ConfigurationError, SkiplockError
 from skiplock.migrate import Migration, available_migrations, migrate, pending_migrations
-from skiplock.replica import READ_URL_ENV, replica_state
+from skiplock.replica import READ_URL_ENV, check_one_database, replica_state
 from skiplock.tasks import MAX_QUEUE_NAME, check_name, parse_rate
 from skiplock.types import Job
 
@@ -44,11 +44,7 @@ def _each_database(args: argparse.Namespace) -> list[App]:
     if not getattr(args, "app", None):
         return [App(args.database_url, schema=args.schema)]
     app = _app_from_args(args)
-    if app.queue_databases and (getattr(args, "read_url", None) or os.environ.get(READ_URL_ENV)):
-        raise ConfigurationError(
-            "--read-url names one replica, and this App's queues live on several "
-            "databases: leave --read-url out, or leave out --app to read that one"
-        )
+    check_one_database(getattr(args, "read_url", None) or os.environ.get(READ_URL_ENV), app)
     return [app.for_database(url) for url in app.databases()]
 
 
@@ -1110,8 +1106,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--read-url",
         default=None,
-        help=f"status and jobs list/show read from this URL, a replica (default: "
-        f"${READ_URL_ENV}), and say how far behind it is",
+        help=f"status, jobs list/show and the dashboard read from this URL, a replica "
+        f"(default: ${READ_URL_ENV}), and say how far behind it is",
     )
     return parser
 

@@ -1,16 +1,20 @@
-"""Reading from a replica: ``skiplock status`` and ``jobs list`` / ``show`` can read from a
-streaming standby (``--read-url`` or ``SKIPLOCK_READ_URL``), keeping their load off the
-primary. What they show is then as old as the standby's lag, so they say how far behind it
-is (docs/failover.md)."""
+"""Reading from a replica: ``skiplock status``, ``jobs list`` / ``show`` and the dashboard
+can read from a streaming standby (``--read-url`` or ``SKIPLOCK_READ_URL``), keeping their
+load off the primary. What they show is then as old as the standby's lag, so they say how
+far behind it is (docs/failover.md)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
+from skiplock.errors import ConfigurationError
 from skiplock.sql import replica
+
+if TYPE_CHECKING:
+    from skiplock.app import App
 
 READ_URL_ENV = "SKIPLOCK_READ_URL"
 
@@ -36,3 +40,14 @@ def replica_state(conn: psycopg.Connection[Any]) -> ReplicaState:
     assert row is not None
     lag = None if row[1] is None else max(0.0, float(row[1]))
     return ReplicaState(standby=bool(row[0]), lag_seconds=lag)
+
+
+def check_one_database(read_url: str | None, app: App | None) -> None:
+    """A read URL names one replica: refuse it with an App whose queues live on several
+    databases (queue_databases), for the CLI's commands and the dashboard alike."""
+    if read_url and app is not None and app.queue_databases:
+        raise ConfigurationError(
+            "--read-url (or $SKIPLOCK_READ_URL, or create_app's read_url) names one replica, "
+            "and this App's queues live on several databases: leave the read URL out, or "
+            "leave out --app (app=) to read that one database"
+        )
