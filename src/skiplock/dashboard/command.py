@@ -1,7 +1,9 @@
 """``skiplock dashboard``: serve the dashboard with uvicorn.
 
 Registered by skiplock.cli, which resolves --database-url, --database-url-env and --schema
-as for every command; this module only adds the dashboard's own options.
+as for every command and parses the global --read-url (left for this command to use: the
+pages read there, the actions still go to --database-url); this module only adds the
+dashboard's own options.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 from skiplock.config import DEFAULT_SCHEMA, SCHEMA_ENV, resolve_database_url
 from skiplock.dashboard import security
 from skiplock.errors import ConfigurationError
+from skiplock.replica import READ_URL_ENV, check_one_database
+from skiplock.routing import describe_url
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8089
@@ -50,7 +54,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--app",
         default=None,
         metavar="MODULE:APP",
-        help="the skiplock App, to show cron expressions and next fire times",
+        help="the skiplock App: cron expressions and next fire times, and every database "
+        "of its routing table (queue_databases)",
     )
     parser.set_defaults(func=run)
     return parser
@@ -71,14 +76,24 @@ def run(args: argparse.Namespace) -> int:
     security.check_startup(args.host, token=token, read_only=args.read_only)
     if not 1 <= args.port <= 65535:
         raise ConfigurationError(f"--port {args.port}: use 1 to 65535")
-    schema = args.schema or os.environ.get(SCHEMA_ENV) or DEFAULT_SCHEMA
-    from skiplock.app import load_app  # noqa: PLC0415
+    read_url = getattr(args, "read_url", None) or os.environ.get(READ_URL_ENV) or None
+    if args.app:
+        from skiplock.app import load_app  # noqa: PLC0415
 
-    app = load_app(args.app) if args.app else None
-    database_url = resolve_database_url(args.database_url)
+        # As `skiplock status --app`: --database-url and --schema, when given, override the
+        # App's own; its routing table brings its other databases.
+        app = load_app(args.app)
+        app.configure(database_url=args.database_url, schema=args.schema)
+        check_one_database(read_url, app)
+        database_url, schema = app.database_url, app.schema
+    else:
+        app = None
+        database_url = resolve_database_url(args.database_url)
+        schema = args.schema or os.environ.get(SCHEMA_ENV) or DEFAULT_SCHEMA
     web = create_app(
         database_url,
         schema,
+        read_url=read_url,
         read_only=args.read_only,
         root_path=args.root_path,
         token=token,
@@ -86,12 +101,13 @@ def run(args: argparse.Namespace) -> int:
     )
     mode = "read-only" if args.read_only else ("token required" if token else "no token")
     log.info(
-        "dashboard on http://%s:%d%s/ (%s, schema %s)",
+        "dashboard on http://%s:%d%s/ (%s, schema %s%s)",
         args.host,
         args.port,
         args.root_path,
         mode,
         schema,
+        f", pages read from {describe_url(read_url)}" if read_url else "",
     )
     uvicorn.run(web, host=args.host, port=args.port, log_level="warning", proxy_headers=True)
     return 0

@@ -194,6 +194,29 @@ def queue_counts(conn: Conn, schema: str) -> list[dict[str, Any]]:
         return cur.execute(render(dashboard_sql.QUEUE_COUNTS, schema)).fetchall()
 
 
+# A queue with settings but no jobs (paused while empty) still gets its row.
+_NO_JOBS: dict[str, Any] = dict.fromkeys(
+    ("blocked", "available", "scheduled", "running", "retryable", "dead", "workers"), 0
+) | {"oldest_ready_seconds": None}
+
+
+def queue_rows(stats: list[dict[str, Any]], settings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The overview's rows of one database: each queue with jobs or settings, its counts
+    and its pause and limits; pure."""
+    by_queue = {row["queue"]: row for row in stats}
+    by_name = {row["name"]: row for row in settings}
+    rows = []
+    for name in sorted(set(by_queue) | set(by_name)):
+        row: dict[str, Any] = {**_NO_JOBS, "queue": name, **by_queue.get(name, {})}
+        setting = by_name.get(name, {})
+        row["paused"] = bool(setting.get("paused"))
+        row["concurrency_limit"] = setting.get("concurrency_limit")
+        row["rate_limit"] = setting.get("rate_limit")
+        row["rate_period"] = setting.get("rate_period")
+        rows.append(row)
+    return rows
+
+
 def database_now(conn: Conn, schema: str) -> datetime:
     row = conn.execute(render(dashboard_sql.DASHBOARD_NOW, schema)).fetchone()
     assert row is not None
@@ -246,10 +269,11 @@ def throughput_chart(rows: Sequence[Mapping[str, Any]], now: datetime) -> Chart:
     return replace(chart, bars=bars)
 
 
-def throughput(conn: Conn, schema: str, now: datetime) -> Chart:
+def throughput_rows(conn: Conn, schema: str) -> list[dict[str, Any]]:
+    """Jobs finished per minute and outcome over the last hour (throughput_chart lays
+    them out; the rows of several databases add up)."""
     with conn.cursor(row_factory=dict_row) as cur:
-        rows = cur.execute(render(dashboard_sql.THROUGHPUT_LAST_HOUR, schema)).fetchall()
-    return throughput_chart(rows, now)
+        return cur.execute(render(dashboard_sql.THROUGHPUT_LAST_HOUR, schema)).fetchall()
 
 
 # -- cron --------------------------------------------------------------------------------

@@ -5,9 +5,12 @@ script and swapped in, so nothing but a small vendored script runs in the browse
 change is a POST through the same client functions the CLI uses (``client.retry_jobs``,
 ``client.set_queue_paused``, ...), guarded by the checks of ``security`` and logged.
 
-Database work is synchronous psycopg on a small pool, run in Starlette's thread pool. The
-pool opens on first use, not at startup: mounted inside another application, this app's
-lifespan never runs.
+Database work is synchronous psycopg on small pools, run in Starlette's thread pool. The
+pools open on first use, not at startup: mounted inside another application, this app's
+lifespan never runs. Each database shown (one, or every database of an App with routes,
+``?db=N``: see databases.py) has its own; with a read URL, every page reads through a
+read-only pool on the replica and says how far behind it is, and every action writes
+through the primary's.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -24,7 +27,7 @@ from urllib.parse import parse_qsl, urlencode
 
 import jinja2
 import psycopg
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -34,9 +37,12 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from skiplock import client
-from skiplock.config import validate_schema
+from skiplock.config import DEFAULT_SCHEMA, validate_schema
 from skiplock.dashboard import reads, security
+from skiplock.dashboard.databases import DB_PARAM, Database, dashboard_databases, pick_database
 from skiplock.errors import ConfigurationError, JobNotFoundError
+from skiplock.replica import ReplicaState, replica_state
+from skiplock.routing import describe_url
 from skiplock.sql import dashboard as dashboard_sql
 from skiplock.sql import render
 from skiplock.tasks import MAX_QUEUE_NAME, check_name, parse_rate
@@ -52,12 +58,19 @@ NOTICE_COOKIE = "skiplock_notice"
 # Reads that take longer are cancelled: a text search over a large history should fail
 # with advice (narrow the time range), not hold a connection for minutes.
 STATEMENT_TIMEOUT_MS = 15_000
+# How long a page waits for a connection before it says the database cannot be reached,
+# and how long each connection attempt may take (a host that is down would otherwise hold
+# it for the kernel's SYN retries).
+CONNECTION_WAIT_SECONDS = 10.0
+CONNECT_TIMEOUT_SECONDS = 5
 REFRESH_SECONDS = 3.0
 JOB_ACTIONS = ("retry", "cancel", "delete")
-# A queue with settings but no jobs (paused while empty) still gets its row.
-_NO_JOBS: dict[str, Any] = dict.fromkeys(
-    ("blocked", "available", "scheduled", "running", "retryable", "dead", "workers"), 0
-) | {"oldest_ready_seconds": None}
+# After an action, the page the browser returns to is read from the replica at once, which
+# may not have replayed the change yet (docs/dashboard.md, "Reading from a replica").
+REPLICA_AFTER_CHANGE = (
+    "Made on the primary, it shows here once the replica has replayed it (this page reads "
+    "the replica and refreshes by itself)."
+)
 _BULK = {
     "retry": (client.retry_jobs, "made available again"),
     "cancel": (client.cancel_jobs, "cancelled (running ones asked to stop)"),
@@ -112,12 +125,17 @@ def _compact(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+class DatabaseUnreachableError(Exception):
+    """A database (or the replica the pages read) cannot be reached; the message names it,
+    never with its password, and says why."""
+
+
 class Dashboard:
-    """The state behind the routes: where the database is, the pool, the settings."""
+    """The state behind the routes: the databases, their pools, the settings."""
 
     def __init__(
         self,
-        database_url: str,
+        databases: list[Database],
         schema: str,
         *,
         read_only: bool,
@@ -125,49 +143,122 @@ class Dashboard:
         app: App | None,
         refresh_seconds: float,
     ) -> None:
-        self.database_url = database_url
+        self.databases = databases
         self.schema = validate_schema(schema)
         self.read_only = read_only
         self.token = token or None
         self.app = app
         self.refresh_seconds = refresh_seconds
         self.templates = _environment()
-        self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None
+        # One pool per (URL, read-only): a replica's pool is opened read-only, so that no
+        # statement of the dashboard can write there even if the URL is a primary.
+        self._pools: dict[tuple[str, bool], ConnectionPool[psycopg.Connection[Any]]] = {}
         self._pool_lock = threading.Lock()
 
-    def pool(self) -> ConnectionPool[psycopg.Connection[Any]]:
+    @property
+    def several(self) -> bool:
+        return len(self.databases) > 1
+
+    @property
+    def reads_replica(self) -> bool:
+        return self.databases[0].read_url is not None
+
+    def pool(self, url: str, *, read_only: bool) -> ConnectionPool[psycopg.Connection[Any]]:
         with self._pool_lock:
-            if self._pool is None:
-                self._pool = ConnectionPool(
-                    self.database_url,
+            pool = self._pools.get((url, read_only))
+            if pool is None:
+                settings = f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"
+                if read_only:
+                    settings += " -c default_transaction_read_only=on"
+                pool = self._pools[(url, read_only)] = ConnectionPool(
+                    url,
                     min_size=1,
                     max_size=4,
                     open=True,
+                    timeout=CONNECTION_WAIT_SECONDS,
+                    # Each connection is checked as it leaves the pool: after a restart of
+                    # the server (a replica's, say), the next page gets a live one.
+                    check=ConnectionPool.check_connection,
                     # No server-side prepared statements: each statement is planned with
                     # its values (see skiplock.sql.dashboard).
                     kwargs={
                         "autocommit": True,
                         "prepare_threshold": None,
-                        "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}",
+                        "options": settings,
                         "application_name": "skiplock dashboard",
+                        "connect_timeout": CONNECT_TIMEOUT_SECONDS,
                     },
                 )
-            return self._pool
+            return pool
 
     def close(self) -> None:
         with self._pool_lock:
-            if self._pool is not None:
-                self._pool.close()
-                self._pool = None
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.close()
 
-    def read(self, work: Callable[[psycopg.Connection[Any]], T]) -> T:
-        with self.pool().connection() as conn:
+    @contextmanager
+    def _connection(
+        self, url: str, *, read_only: bool, what: str
+    ) -> Iterator[psycopg.Connection[Any]]:
+        """A connection from ``url``'s pool. A pool that found no connection in time, or a
+        connection that broke, becomes DatabaseUnreachableError naming ``what`` and the
+        reason (a direct attempt tells it)."""
+        try:
+            with self.pool(url, read_only=read_only).connection() as conn:
+                yield conn
+        except (PoolTimeout, psycopg.OperationalError) as exc:
+            # A server that answered with a SQLSTATE (a cancelled query, a conflict with
+            # recovery) is reachable; only connection errors (08) and a server going
+            # down or starting (57P) are not.
+            if exc.sqlstate is not None and not exc.sqlstate.startswith(("08", "57P")):
+                raise
+            reason = _why_unreachable(url)
+            raise DatabaseUnreachableError(f"cannot reach {what}: {reason}") from None
+
+    def read(
+        self, database: Database, work: Callable[[psycopg.Connection[Any]], T]
+    ) -> tuple[T, ReplicaState | None]:
+        """``work`` on the connection every page reads (the replica's, when given), and
+        how far behind that replica is."""
+        if database.read_url is None:
+            what = f"the database {database.label}"
+            with self._connection(database.url, read_only=False, what=what) as conn:
+                return work(conn), None
+        what = f"the read URL (the replica) {describe_url(database.read_url)}"
+        with self._connection(database.read_url, read_only=True, what=what) as conn:
+            state = replica_state(conn)
+            return work(conn), state
+
+    def change(self, database: Database, work: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """``work`` in one transaction on the primary, as the CLI runs its changes."""
+        what = f"the database {database.label}"
+        with (
+            self._connection(database.url, read_only=False, what=what) as conn,
+            conn.transaction(),
+        ):
             return work(conn)
 
-    def change(self, work: Callable[[psycopg.Connection[Any]], T]) -> T:
-        """``work`` in one transaction, as the CLI runs its changes."""
-        with self.pool().connection() as conn, conn.transaction():
-            return work(conn)
+    def app_for(self, database: Database) -> App | None:
+        """The App as it stands on ``database``: its periodic tasks are those whose queue
+        lives there."""
+        if self.app is None or not self.several:
+            return self.app
+        return self.app.for_database(database.url)
+
+
+def _why_unreachable(url: str) -> str:
+    """What a direct connection attempt says (libpq's message never holds the password;
+    a malformed URL's would, and is replaced by its host and database)."""
+    try:
+        with psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT_SECONDS, autocommit=True):
+            pass
+    except psycopg.Error as exc:
+        return str(exc).strip().replace(url, describe_url(url))
+    return (
+        f"no connection was free within {CONNECTION_WAIT_SECONDS:g} s (every one busy with a "
+        "slow read): try again"
+    )
 
 
 # -- requests ------------------------------------------------------------------------
@@ -230,6 +321,40 @@ class Pages:
         assert self.router is not None
         return _prefix(request) + str(self.router.url_path_for(name, **params))
 
+    def link(
+        self,
+        request: Request,
+        name: str,
+        /,
+        query: Mapping[str, Any] | None = None,
+        *,
+        db: int | None = None,
+        **params: Any,
+    ) -> str:
+        """The URL of a page or action with its query; with several databases it names
+        the database (``db=N``) too, so that a job id reaches the job it means."""
+        values = {k: v for k, v in (query or {}).items() if v is not None and v != ""}
+        if db is not None and self.dashboard.several:
+            values = {DB_PARAM: db, **values}
+        url = self.url(request, name, **params)
+        return url + ("?" + urlencode(values) if values else "")
+
+    def database(self, request: Request, *, queue: str | None = None) -> Database:
+        """The database a request is about (``?db=N``; see databases.pick_database)."""
+        return pick_database(
+            self.dashboard.databases, request.query_params, queue=queue, app=self.dashboard.app
+        )
+
+    async def read(
+        self, request: Request, database: Database, work: Callable[[psycopg.Connection[Any]], T]
+    ) -> T:
+        """``work`` on the database's read connection, in the thread pool; how far behind
+        the replica is goes to the page (render)."""
+        result, state = await run_in_threadpool(self.dashboard.read, database, work)
+        if state is not None:
+            request.state.replica = state
+        return result
+
     def render(
         self,
         request: Request,
@@ -246,6 +371,7 @@ class Pages:
         base = {
             "request": request,
             "url": lambda name, **params: self.url(request, name, **params),
+            "link": lambda name, query=None, **params: self.link(request, name, query, **params),
             "static": lambda path: self.url(request, "static", path=path),
             "prefix": _prefix(request),
             "here": _route_path(request),
@@ -256,9 +382,12 @@ class Pages:
             "refresh_ms": int(dashboard.refresh_seconds * 1000),
             "notice": notice,
             "schema": dashboard.schema,
+            "several": dashboard.several,
+            "databases": dashboard.databases,
+            "replica": getattr(request.state, "replica", None),
         }
         fragment = request.query_params.get("fragment") == "1"
-        name = body if fragment else template
+        name = "live.html" if fragment else template
         html = dashboard.templates.get_template(name).render({**base, **context})
         response = HTMLResponse(html, status_code=status)
         response.headers["Cache-Control"] = "no-store"
@@ -288,12 +417,19 @@ class Pages:
             request, "error.html", "error_body.html", {"message": message}, status=status
         )
 
-    def back(self, request: Request, target: str | None, notice: str) -> Response:
+    def back(
+        self, request: Request, target: str | None, notice: str, *, changed: bool = False
+    ) -> Response:
+        """Back to the page the action came from, with ``notice`` shown once. After a
+        change, a dashboard that reads a replica says that the page shows it only once the
+        replica has replayed it: the redirect's page is read there at once."""
+        notice = notice[:300]
+        if changed and self.dashboard.reads_replica:
+            notice += f". {REPLICA_AFTER_CHANGE}"
         response = RedirectResponse(_prefix(request) + _safe_next(target), status_code=303)
         response.set_cookie(
-            NOTICE_COOKIE, notice[:300], httponly=True, samesite="strict",
-            path=_prefix(request) or "/",
-        )  # fmt: skip
+            NOTICE_COOKIE, notice, httponly=True, samesite="strict", path=_prefix(request) or "/"
+        )
         return response
 
     # -- guards ------------------------------------------------------------------------
@@ -354,6 +490,14 @@ class Pages:
             return self.error(request, 400, str(exc))
         except ConfigurationError as exc:
             return self.error(request, 400, str(exc))
+        except DatabaseUnreachableError as exc:
+            return self.error(request, 503, f"{exc} (the page works again once it can be reached)")
+        except psycopg.errors.SerializationFailure as exc:
+            # A standby cancels a read that holds back its replay (a conflict with
+            # recovery); the next read usually goes through.
+            return self.error(
+                request, 503, f"the read was cancelled ({str(exc).strip()}): reload the page"
+            )
         except psycopg.errors.QueryCanceled:
             return self.error(
                 request,
@@ -372,57 +516,60 @@ class Pages:
     # -- pages -------------------------------------------------------------------------
 
     async def overview(self, request: Request) -> Response:
+        """Every database's queues and workers (in the App's databases() order), and the
+        jobs finished per minute over all of them."""
         dashboard = self.dashboard
+        schema = dashboard.schema
+        queues: list[dict[str, Any]] = []
+        workers: list[dict[str, Any]] = []
+        finished: list[dict[str, Any]] = []
+        now: datetime | None = None
 
         def work(conn: psycopg.Connection[Any]) -> dict[str, Any]:
-            now = reads.database_now(conn, dashboard.schema)
-            stats = {row["queue"]: row for row in reads.queue_counts(conn, dashboard.schema)}
-            settings = {row["name"]: row for row in client.list_queues(conn, dashboard.schema)}
-            busy = dict(
-                conn.execute(render(dashboard_sql.WORKER_BUSY, dashboard.schema)).fetchall()
-            )
-            queues = []
-            for name in sorted(set(stats) | set(settings)):
-                row: dict[str, Any] = {**_NO_JOBS, "queue": name, **stats.get(name, {})}
-                setting = settings.get(name, {})
-                row["paused"] = bool(setting.get("paused"))
-                row["concurrency_limit"] = setting.get("concurrency_limit")
-                row["rate_limit"] = setting.get("rate_limit")
-                row["rate_period"] = setting.get("rate_period")
-                queues.append(row)
-            workers = client.list_workers(conn, dashboard.schema)
-            for worker in workers:
-                worker["busy"] = busy.get(worker["id"], 0)
             return {
-                "now": now,
-                "queues": queues,
-                "workers": workers,
-                "chart": reads.throughput(conn, dashboard.schema, now),
+                "now": reads.database_now(conn, schema),
+                "stats": reads.queue_counts(conn, schema),
+                "settings": client.list_queues(conn, schema),
+                "busy": dict(conn.execute(render(dashboard_sql.WORKER_BUSY, schema))),
+                "workers": client.list_workers(conn, schema),
+                "finished": reads.throughput_rows(conn, schema),
             }
 
-        context = await run_in_threadpool(dashboard.read, work)
+        for database in dashboard.databases:
+            found = await self.read(request, database, work)
+            now = now or found["now"]
+            where = {"db": database.index, "database": database.label}
+            rows = reads.queue_rows(found["stats"], found["settings"])
+            queues += [{**row, **where} for row in rows]
+            for worker in found["workers"]:
+                workers.append({**worker, **where, "busy": found["busy"].get(worker["id"], 0)})
+            finished += found["finished"]
+        assert now is not None
+        context = {
+            "now": now,
+            "queues": queues,
+            "workers": workers,
+            "chart": reads.throughput_chart(finished, now),
+        }
         return self.render(request, "overview.html", "overview_body.html", context)
 
     async def jobs(self, request: Request) -> Response:
         dashboard = self.dashboard
         where = reads.parse_filter(request.query_params)
         before = reads.parse_before(request.query_params.get("before"))
+        database = self.database(request, queue=where.queue)
 
         def work(conn: psycopg.Connection[Any]) -> reads.Page:
             return reads.jobs_page(conn, dashboard.schema, where, before, reads.PAGE_SIZE)
 
-        page = await run_in_threadpool(dashboard.read, work)
+        page = await self.read(request, database, work)
         query = where.query()
         next_url = (
-            self.url(request, "jobs") + "?" + urlencode({**query, "before": page.next_before})
+            self.link(request, "jobs", {**query, "before": page.next_before}, db=database.index)
             if page.next_before
             else None
         )
-        first_url = (
-            self.url(request, "jobs") + ("?" + urlencode(query) if query else "")
-            if before
-            else None
-        )
+        first_url = self.link(request, "jobs", query, db=database.index) if before else None
         return self.render(
             request,
             "jobs.html",
@@ -435,12 +582,14 @@ class Pages:
                 "next_url": next_url,
                 "first_url": first_url,
                 "bulk_limit": reads.BULK_LIMIT,
+                "database": database,
             },
         )
 
     async def job(self, request: Request) -> Response:
         dashboard = self.dashboard
         job_id = int(request.path_params["job_id"])
+        database = self.database(request)
 
         def work(conn: psycopg.Connection[Any]) -> tuple[dict[str, Any] | None, datetime]:
             return (
@@ -448,9 +597,9 @@ class Pages:
                 reads.database_now(conn, dashboard.schema),
             )
 
-        job, now = await run_in_threadpool(dashboard.read, work)
+        job, now = await self.read(request, database, work)
         if job is None:
-            return self.error(request, 404, f"no job with id {job_id} (live or in history)")
+            return self.error(request, 404, self.no_such_job(job_id, database))
         errors = [
             {**error, "lines": reads.traceback_lines(error.get("traceback"))}
             for error in job["errors"]
@@ -459,17 +608,42 @@ class Pages:
             request,
             "job.html",
             "job_body.html",
-            {"job": job, "errors": errors, "timeline": reads.timeline(job), "now": now},
+            {
+                "job": job,
+                "errors": errors,
+                "timeline": reads.timeline(job),
+                "now": now,
+                "database": database,
+            },
+        )
+
+    def no_such_job(self, job_id: int, database: Database) -> str:
+        message = f"no job with id {job_id} (live or in history)"
+        if not self.dashboard.several:
+            return message
+        others = ", ".join(
+            f"db={d.index} ({d.label})" for d in self.dashboard.databases if d != database
+        )
+        return (
+            f"{message} on database {database.label}: job ids are per database; "
+            f"the others are {others}"
         )
 
     async def cron(self, request: Request) -> Response:
         dashboard = self.dashboard
+        rows: list[dict[str, Any]] = []
 
-        def work(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
-            now = reads.database_now(conn, dashboard.schema)
-            return reads.cron_rows(conn, dashboard.schema, dashboard.app, now)
+        def schedules(bound: App | None) -> Callable[[psycopg.Connection[Any]], Any]:
+            def work(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
+                now = reads.database_now(conn, dashboard.schema)
+                return reads.cron_rows(conn, dashboard.schema, bound, now)
 
-        rows = await run_in_threadpool(dashboard.read, work)
+            return work
+
+        for database in dashboard.databases:
+            # Each database's own periodic tasks: those whose queue lives there.
+            found = await self.read(request, database, schedules(dashboard.app_for(database)))
+            rows += [{**row, "db": database.index, "database": database.label} for row in found]
         return self.render(
             request,
             "cron.html",
@@ -515,6 +689,10 @@ class Pages:
 
     # -- actions -----------------------------------------------------------------------
 
+    def on(self, database: Database) -> str:
+        """ " on DATABASE" in a notice or a log line, when there are several."""
+        return f" on {database.label}" if self.dashboard.several else ""
+
     async def job_action(self, request: Request) -> Response:
         dashboard = self.dashboard
         fields: dict[str, list[str]] = request.state.fields
@@ -522,6 +700,7 @@ class Pages:
         action = str(request.path_params["action"])
         if action not in JOB_ACTIONS:
             return self.error(request, 404, f"no action {action!r}: use retry, cancel or delete")
+        database = self.database(request)
         single = {"retry": client.retry_job, "cancel": client.cancel_job}.get(
             action, client.delete_job
         )
@@ -531,11 +710,19 @@ class Pages:
 
         target = _first(fields, "next")
         try:
-            await run_in_threadpool(dashboard.change, work)
+            await run_in_threadpool(dashboard.change, database, work)
         except JobNotFoundError as exc:
             return self.back(request, target, str(exc))
-        log.info("dashboard %s by %s: job ids [%d]", action, _who(request, dashboard), job_id)
-        return self.back(request, target, f"job {job_id}: {action} done")
+        log.info(
+            "dashboard %s by %s: job ids [%d]%s",
+            action,
+            _who(request, dashboard),
+            job_id,
+            self.on(database),
+        )
+        return self.back(
+            request, target, f"job {job_id}{self.on(database)}: {action} done", changed=True
+        )
 
     async def jobs_bulk(self, request: Request) -> Response:
         dashboard = self.dashboard
@@ -548,33 +735,44 @@ class Pages:
         change, done = _BULK[action]
         target = _first(fields, "next")
         every = scope == "matching"
-        if every:
-            where = reads.parse_filter({k: v[0] for k, v in fields.items() if v})
-            ids = await run_in_threadpool(
-                dashboard.read,
-                lambda conn: reads.matching_live_ids(conn, dashboard.schema, where),
-            )
-        else:
-            try:
-                ids = sorted({int(value) for value in fields.get("ids", [])})
-            except ValueError:
-                return self.error(request, 400, "ids must be job ids (whole numbers)")
+        database = self.database(request)
+        where = reads.parse_filter({k: v[0] for k, v in fields.items() if v}) if every else None
+        try:
+            chosen = sorted({int(value) for value in fields.get("ids", [])})
+        except ValueError:
+            return self.error(request, 400, "ids must be job ids (whole numbers)")
+        if not every and not chosen:
+            return self.back(request, target, "no jobs selected")
+
+        def work(conn: psycopg.Connection[Any]) -> tuple[list[int], int]:
+            # The jobs matching the filter are read on the primary, in the change's own
+            # transaction: an action is about what is there now, not what a replica shows.
+            if where is None:
+                ids = chosen
+            else:
+                ids = reads.matching_live_ids(conn, dashboard.schema, where)
+            return ids, (change(conn, dashboard.schema, ids) if ids else 0)
+
+        ids, count = await run_in_threadpool(dashboard.change, database, work)
         if not ids:
-            return self.back(request, target, "no jobs selected" if not every else "no jobs match")
-        count = await run_in_threadpool(
-            dashboard.change, lambda conn: change(conn, dashboard.schema, ids)
-        )
+            return self.back(request, target, "no jobs match")
         log.info(
-            "dashboard %s (%s) by %s: %d of %d jobs, job ids %s",
+            "dashboard %s (%s) by %s: %d of %d jobs%s, job ids %s",
             action,
             "all matching" if every else "selection",
             _who(request, dashboard),
             count,
             len(ids),
+            self.on(database),
             ids,
         )
         capped = f" (the first {reads.BULK_LIMIT} matching)" if len(ids) >= reads.BULK_LIMIT else ""
-        return self.back(request, target, f"{count} of {len(ids)} jobs {done}{capped}")
+        return self.back(
+            request,
+            target,
+            f"{count} of {len(ids)} jobs{self.on(database)} {done}{capped}",
+            changed=True,
+        )
 
     async def queue_action(self, request: Request) -> Response:
         dashboard = self.dashboard
@@ -582,15 +780,28 @@ class Pages:
         queue = str(request.path_params["queue"])
         action = str(request.path_params["action"])
         check_name("queue", queue, MAX_QUEUE_NAME)
+        database = self.database(request, queue=queue)
         target = _first(fields, "next")
         if action in ("pause", "resume"):
             paused = action == "pause"
             await run_in_threadpool(
                 dashboard.change,
+                database,
                 lambda conn: client.set_queue_paused(conn, dashboard.schema, queue, paused=paused),
             )
-            log.info("dashboard %s queue %r by %s", action, queue, _who(request, dashboard))
-            return self.back(request, target, f"queue {queue} {'paused' if paused else 'resumed'}")
+            log.info(
+                "dashboard %s queue %r%s by %s",
+                action,
+                queue,
+                self.on(database),
+                _who(request, dashboard),
+            )
+            return self.back(
+                request,
+                target,
+                f"queue {queue}{self.on(database)} {'paused' if paused else 'resumed'}",
+                changed=True,
+            )
         if action != "limits":
             return self.error(request, 404, f"no queue action {action!r}")
         concurrency_text = (_first(fields, "concurrency") or "").strip()
@@ -604,18 +815,22 @@ class Pages:
         rate = parse_rate(rate_text) if rate_text else None
         await run_in_threadpool(
             dashboard.change,
+            database,
             lambda conn: client.set_queue_limits(
                 conn, dashboard.schema, queue, concurrency=concurrency, rate=rate
             ),
         )
         log.info(
-            "dashboard limits of queue %r by %s: concurrency %s, rate %s",
+            "dashboard limits of queue %r%s by %s: concurrency %s, rate %s",
             queue,
+            self.on(database),
             _who(request, dashboard),
             concurrency,
             rate_text or None,
         )
-        return self.back(request, target, f"queue {queue}: limits saved")
+        return self.back(
+            request, target, f"queue {queue}{self.on(database)}: limits saved", changed=True
+        )
 
 
 class _RootPath:
@@ -635,9 +850,10 @@ class _RootPath:
 
 
 def create_app(
-    database_url: str,
-    schema: str = "skiplock",
+    database_url: str | None = None,
+    schema: str | None = None,
     *,
+    read_url: str | None = None,
     read_only: bool = False,
     root_path: str = "",
     token: str | None = None,
@@ -647,10 +863,14 @@ def create_app(
     """The dashboard as an ASGI app; mount it in a Starlette or FastAPI app under any
     prefix (``Mount("/jobs", create_app(url))``), or serve it with uvicorn.
 
-    ``read_only`` hides and refuses every action. ``token`` (when set) is needed for every
-    page: a Bearer header, or the sign-in form. ``root_path`` is the prefix a reverse proxy
-    strips before passing requests on. ``app`` (optional) is the skiplock App whose cron
-    schedules the cron page shows with their next fire times.
+    ``read_url`` (a replica) takes every page's reads, and each page says how far behind
+    it is; actions still go to ``database_url``. ``read_only`` hides and refuses every
+    action. ``token`` (when set) is needed for every page: a Bearer header, or the sign-in
+    form. ``root_path`` is the prefix a reverse proxy strips before passing requests on.
+    ``app`` (optional) is the skiplock App whose cron schedules the cron page shows with
+    their next fire times; an App with ``queue_databases`` makes the dashboard show every
+    one of its databases (``database_url`` may then be left out). ``schema`` defaults to
+    the App's, else "skiplock". See docs/dashboard.md.
     """
     if root_path and (not root_path.startswith("/") or root_path.endswith("/")):
         raise ConfigurationError(
@@ -659,8 +879,8 @@ def create_app(
     if refresh_seconds <= 0:
         raise ConfigurationError(f"refresh_seconds must be positive, got {refresh_seconds}")
     dashboard = Dashboard(
-        database_url,
-        schema,
+        dashboard_databases(database_url, read_url=read_url, app=app),
+        schema or (app.schema if app is not None else DEFAULT_SCHEMA),
         read_only=read_only,
         token=token,
         app=app,
