@@ -194,6 +194,12 @@ def web_over_both(routed: skiplock.App) -> Iterator[TestClient]:
         yield web_client
 
 
+def heads(html: str) -> list[tuple[str, str]]:
+    """(db, label) of each database's heading row, in page order."""
+    head = r'<tr class="database" data-db="(\d+)"><th colspan="\d+">database ([^<]*)</th>'
+    return [(str(db), str(where)) for db, where in re.findall(head, html)]
+
+
 def row(html: str, queue: str, db: int) -> str:
     found = re.search(rf'<tr data-queue="{queue}" data-db="{db}">(.*?)</tr>', html, re.S)
     assert found, f"no row for queue {queue} of database {db}"
@@ -214,11 +220,11 @@ def test_the_overview_shows_every_databases_queues_labelled(
 
     html = web_over_both.get("/").text
 
-    emails = row(html, "emails", 0)
-    assert describe_url(routed.database_url) in emails
-    assert re.search(r'data-count="available">2<', emails)
+    # Each database heads its queues, then its workers.
+    both = [("0", describe_url(routed.database_url)), ("1", describe_url(reports_url))]
+    assert heads(html) == both + both
+    assert re.search(r'data-count="available">2<', row(html, "emails", 0))
     on_reports = row(html, "reports", 1)
-    assert describe_url(reports_url) in on_reports
     assert 'href="/jobs?db=1&amp;state=dead&amp;queue=reports">3</a>' in on_reports
     assert 'action="/queues/reports/pause?db=1"' in on_reports
     assert re.search(r'data-count="available">1<', row(html, "emails", 1))
@@ -298,11 +304,15 @@ def test_the_cron_page_shows_each_databases_schedules(
 
     with TestClient(create_app(app=routed)) as web_client:
         html = web_client.get("/cron").text
-    schedules = re.findall(r'<td class="database">([^<]*)</td><td><a href="([^"]*)">', html)
-    assert schedules == [
-        (describe_url(routed.database_url), "/jobs?db=0&amp;task=shop.digest"),
-        (describe_url(reports_url), "/jobs?db=1&amp;task=shop.hourly_report"),
+    assert heads(html) == [
+        ("0", describe_url(routed.database_url)),
+        ("1", describe_url(reports_url)),
     ]
+    # Each schedule under its database's heading, its link naming the database.
+    sections = html.split('<tr class="database"')[1:]
+    assert 'href="/jobs?db=0&amp;task=shop.digest"' in sections[0]
+    assert "hourly_report" not in sections[0]
+    assert 'href="/jobs?db=1&amp;task=shop.hourly_report"' in sections[1]
 
 
 def test_create_app_over_several_databases_is_checked(
