@@ -24,9 +24,11 @@ import pytest
 from psycopg import sql
 
 import skiplock
-from conftest import JobFactory, StartWorker, wait_until
+from conftest import JobFactory, StartWorker, clean_tables, wait_until
 from skiplock import client
 from skiplock.dashboard import create_app
+from skiplock.routing import describe_url
+from test_routing import scratch_database
 
 playwright_sync = pytest.importorskip(
     "playwright.sync_api", reason="playwright is not installed (it is in the dev extra)"
@@ -332,3 +334,47 @@ def test_cron_and_dead_pages(app: skiplock.App, make_job: JobFactory, page: Page
         screenshot(page, "dead")
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def reports_url(server_url: str) -> Iterator[str]:
+    """A second database on the test server, for an App whose queue "reports" lives there."""
+    with scratch_database(server_url) as url:
+        yield url
+
+
+def test_a_job_on_the_second_database_is_found_and_retried_from_the_overview(
+    app: skiplock.App, reports_url: str, page: Page
+) -> None:
+    clean_tables(reports_url)
+    routed = skiplock.App(
+        app.database_url, schema=app.schema, queue_databases={"reports": reports_url}
+    )
+    on_default = JobFactory(app.database_url)(queue="emails", task="shop.receipt", state="dead")
+    JobFactory(app.database_url)(queue="emails", task="shop.receipt")
+    on_reports = JobFactory(reports_url)(queue="reports", task="shop.monthly", state="dead")
+    assert on_default == on_reports, "fresh tables: the same id on both databases"
+    server = DashboardServer(routed, app=routed).start()
+    try:
+        page.goto(server.url + "/")
+        heads = page.locator("#queues tr.database")
+        expect(heads).to_have_text(
+            [f"database {describe_url(app.database_url)}", f"database {describe_url(reports_url)}"]
+        )
+        reports_row = page.locator('tr[data-queue="reports"][data-db="1"]')
+        emails_row = page.locator('tr[data-queue="emails"][data-db="0"]')
+        expect(emails_row.locator('[data-count="available"]')).to_have_text("1")
+        expect(reports_row.locator('[data-count="dead"]')).to_have_text("1")
+        screenshot(page, "overview-two-databases")
+
+        reports_row.locator('[data-count="dead"] a').click()
+        expect(page.locator("#databases strong")).to_have_text(describe_url(reports_url))
+        page.locator(f'tr[data-job="{on_reports}"] a').click()
+        expect(page.locator("#job-database")).to_have_text(describe_url(reports_url))
+        page.click("#retry")
+        expect(page.locator(".notice")).to_contain_text(f"job {on_reports} on ")
+        expect(page.locator("#job-state")).to_have_text("available")
+    finally:
+        server.stop()
+    with psycopg.connect(app.database_url) as conn:
+        assert client.get_job(conn, app.schema, on_default).state == "dead", "the other job"
