@@ -16,7 +16,7 @@ from typing import Any
 from skiplock.config import DEFAULT_SCHEMA, SCHEMA_ENV, resolve_database_url
 from skiplock.dashboard import security
 from skiplock.errors import ConfigurationError
-from skiplock.replica import READ_URL_ENV, check_one_database
+from skiplock.replica import READ_URL_ENV
 from skiplock.routing import describe_url
 
 DEFAULT_HOST = "127.0.0.1"
@@ -81,10 +81,10 @@ def run(args: argparse.Namespace) -> int:
         from skiplock.app import load_app  # noqa: PLC0415
 
         # As `skiplock status --app`: --database-url and --schema, when given, override the
-        # App's own; its routing table brings its other databases.
+        # App's own; its routing table brings its other databases (and create_app refuses
+        # a read URL with them, as status does: replica.check_one_database).
         app = load_app(args.app)
         app.configure(database_url=args.database_url, schema=args.schema)
-        check_one_database(read_url, app)
         database_url, schema = app.database_url, app.schema
     else:
         app = None
