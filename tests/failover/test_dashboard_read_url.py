@@ -21,8 +21,7 @@ from conftest import JobFactory
 from skiplock import client
 from skiplock.dashboard import create_app, security
 from skiplock.dashboard.web import REPLICA_AFTER_CHANGE
-
-from .replication import FailoverCluster
+from skiplock.topology import Topology
 
 REPLICA = re.compile(r'<p class="replica standby" id="replica" role="status">([^<]*)</p>')
 BEHIND = re.compile(r"reading from a replica, (\d+\.\d) s behind its primary")
@@ -64,7 +63,7 @@ def replay(standby: str, *, paused: bool) -> None:
 
 @pytest.mark.timeout(180)
 def test_the_dashboard_reads_the_standby_says_its_lag_and_acts_on_the_primary(
-    build_cluster: Callable[[bool], FailoverCluster],
+    build_cluster: Callable[[bool], Topology],
 ) -> None:
     cluster = build_cluster(False)
     primary, standby = cluster.primary.local_url(), cluster.standby.local_url()
