@@ -363,8 +363,17 @@ def test_metrics_listen_on_this_machine_only_unless_told(
             )
             assert worker.poll() is None, worker.stderr.read() if worker.stderr else ""
             assert listening_addresses(port) == {bound}
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
-                assert b"skiplock_queue_jobs" in page.read()
+
+            def page() -> bytes:
+                url = f"http://127.0.0.1:{port}/metrics"
+                with urllib.request.urlopen(url, timeout=10) as response:
+                    return bytes(response.read())
+
+            # The queue gauges come from the leader only: the worker exports them once it
+            # has been elected (its first pass), not necessarily by its first scrape.
+            wait_until(
+                lambda: b"skiplock_queue_jobs" in page(), timeout=30, what="the queue gauges"
+            )
         finally:
             worker.send_signal(signal.SIGTERM)
             worker.wait(timeout=30)
