@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     from skiplock.app import App
 
 POLL_SECONDS = 1.0
+# The wait runs the same query once a second; psycopg would prepare it on the server after
+# five runs, and through a pooler in transaction mode (PgBouncer < 1.21) the next poll may
+# reach a server connection that lacks it, or whose other client prepared the same name:
+# its connection prepares nothing.
 
 
 def _settled(job: Job) -> bool:
@@ -39,7 +43,7 @@ def wait_for_result(app: App, job_id: int, timeout: float | None = None) -> Any:
     """The job's stored result once it completes; JobFailedError if it ends dead or
     cancelled; TimeoutError after ``timeout`` seconds (None waits for ever)."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    with psycopg.connect(app.database_url, autocommit=True) as conn:
+    with psycopg.connect(app.database_url, autocommit=True, prepare_threshold=None) as conn:
         conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(done_channel(app.schema))))
         while True:
             job = client.get_job(conn, app.schema, job_id)
@@ -57,7 +61,9 @@ def wait_for_result(app: App, job_id: int, timeout: float | None = None) -> Any:
 async def wait_for_result_async(app: App, job_id: int, timeout: float | None = None) -> Any:
     """Async twin of ``wait_for_result``."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    async with await psycopg.AsyncConnection.connect(app.database_url, autocommit=True) as conn:
+    async with await psycopg.AsyncConnection.connect(
+        app.database_url, autocommit=True, prepare_threshold=None
+    ) as conn:
         await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(done_channel(app.schema))))
         while True:
             job = await client.get_job_async(conn, app.schema, job_id)
