@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -131,6 +132,13 @@ def unavailable(*, standby: bool = False) -> str | None:
             f"building hosts needs PostgreSQL's {', '.join(needed)}: install postgresql, "
             f"or name their directory in ${PG_BIN_ENV}"
         )
+    closed = _closed_parent(binaries)
+    if closed is not None:
+        return (
+            f"the server runs as {PG_USER}, which cannot reach PostgreSQL's binaries in "
+            f"{binaries}: {closed} is closed to other users; name binaries it can run in "
+            f"${PG_BIN_ENV} (Debian's postgresql package has them in /usr/lib/postgresql)"
+        )
     if shutil.which("runuser") is None and shutil.which("setpriv") is None:
         return "building hosts needs runuser (util-linux) to start PostgreSQL unprivileged"
     probe = f"{PREFIX}-probe-{os.getpid()}"
@@ -138,6 +146,14 @@ def unavailable(*, standby: bool = False) -> str | None:
     if made.returncode != 0:
         return f"ip netns add does not work here: {made.stderr.strip()}"
     run(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+def _closed_parent(path: Path) -> Path | None:
+    """The first directory on the way to ``path`` that other users may not traverse."""
+    for directory in (*reversed(path.resolve().parents), path.resolve()):
+        if not directory.stat().st_mode & stat.S_IXOTH:
+            return directory
     return None
 
 
