@@ -177,14 +177,12 @@ def _fall_behind(primary: psycopg.Connection[Any]) -> None:
     """The standby falls LAG seconds behind (the primary's WAL sender stopped), as under a
     loaded link: what asynchronous replication can then lose, and what synchronous
     replication makes the primary's committers wait for."""
-    sender = _scalar(
-        primary,
-        sql.SQL("SELECT pid FROM pg_stat_replication WHERE application_name = %s"),
-        STANDBY,
-    )
+    sender = primary.execute(
+        "SELECT pid FROM pg_stat_replication WHERE application_name = %s", (STANDBY,)
+    ).fetchone()
     if sender is None:
         raise RuntimeError("the standby is not streaming")
-    os.kill(int(sender), signal.SIGSTOP)
+    os.kill(int(sender[0]), signal.SIGSTOP)
     time.sleep(LAG)  # the lag's length: the scenario's schedule, not a wait for an outcome
 
 
