@@ -53,18 +53,17 @@ def waiting_job(app: skiplock.App, conn: psycopg.Connection[object]) -> skiplock
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["sync", "async"])
 def test_waiting_for_a_result_through_the_pooler_prepares_nothing(
-    app: skiplock.App, conn: psycopg.Connection[object], busy_pooler: None, waited: float
+    app: skiplock.App,
+    conn: psycopg.Connection[object],
+    busy_pooler: None,
+    waited: float,
+    mode: str,
 ) -> None:
     ref = waiting_job(app, conn)
     with pytest.raises(TimeoutError):
-        ref.result(timeout=waited)
-
-
-@pytest.mark.timeout(60)
-def test_waiting_for_a_result_through_the_pooler_prepares_nothing_async(
-    app: skiplock.App, conn: psycopg.Connection[object], busy_pooler: None, waited: float
-) -> None:
-    ref = waiting_job(app, conn)
-    with pytest.raises(TimeoutError):
-        asyncio.run(ref.result_async(timeout=waited))
+        if mode == "sync":
+            ref.result(timeout=waited)
+        else:
+            asyncio.run(ref.result_async(timeout=waited))
