@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import psycopg
 import pytest
@@ -226,3 +227,64 @@ def test_a_job_given_back_while_it_ran_and_claimed_again_is_completed_by_the_new
     wait_until(lambda: finished() is not None, 30.0, "the job to be completed")
     assert finished() == 2  # the new claim's run, not the stale one's
     assert handle.worker.stats.lost_leases == 1
+
+
+def test_a_claim_answered_late_is_read_again_before_its_jobs_start(
+    app: skiplock.App, start_worker: StartWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker stops (SIGSTOP, a stalled link) after the server ran its claim and before
+    it reads the answer; meanwhile the job is given back, as a rescuer does. The answer,
+    read late, is as old as the claim: the job must be checked before it starts, not
+    started on it (tests/cluster's frozen host saw such a job run twice). Here the answer
+    is held back by blocking the worker's event loop, as a stopped process is."""
+    ran: list[int] = []
+
+    @app.task(name="once")
+    def once() -> None:
+        ran.append(1)
+
+    handle = start_worker(app, concurrency=1, prefetch=1)
+    wait_until(lambda: handle.worker._jobs is not None, 30.0, "the worker to start")
+    jobs = handle.worker._jobs
+    assert jobs is not None
+    jobs.confirm_after = 0.2
+    armed = threading.Event()
+    fetchall = psycopg.AsyncCursor.fetchall
+
+    async def late(cursor: psycopg.AsyncCursor[object]) -> list[object]:
+        rows = await fetchall(cursor)
+        claim = rows and isinstance(rows[0], tuple) and len(rows[0]) >= 6
+        if armed.is_set() and claim and (cursor.statusmessage or "").startswith("UPDATE"):
+            armed.clear()
+            with psycopg.connect(app.database_url, autocommit=True) as conn:
+                conn.execute(
+                    f"UPDATE {app.schema}.jobs SET state = 'available', worker_id = NULL, "
+                    "lease_expires_at = NULL, claimed_ahead = false, attempts = attempts - 1 "
+                    "WHERE state = 'running'"
+                )
+                # and its wake-up, with the job's position (a rescue rewinds claim cursors)
+                conn.execute(
+                    "SELECT pg_notify(%s, queue || E'\\t' || priority || E'\\t' "
+                    f"|| extract(epoch FROM run_at)) FROM {app.schema}.jobs",
+                    (notify_channel(app.schema),),
+                )
+            time.sleep(2 * jobs.confirm_after)  # the loop stands still: nothing else runs
+        return rows
+
+    monkeypatch.setattr(psycopg.AsyncCursor, "fetchall", late)
+    armed.set()
+    with psycopg.connect(app.database_url) as conn:
+        (job_id,) = app.enqueue_many(conn, [once.job()])
+    wait_until(lambda: not armed.is_set(), 30.0, "the claim to be answered late")
+
+    def completed() -> bool:
+        with psycopg.connect(app.database_url, autocommit=True) as conn:
+            row = conn.execute(
+                f"SELECT count(*) FROM {app.schema}.job_history WHERE id = %s", (job_id,)
+            ).fetchone()
+        return row is not None and row[0] == 1
+
+    # Given back, it is claimed again (the worker's poll) and runs once.
+    wait_until(completed, 30.0, "the job given back to run")
+    wait_until(lambda: not jobs.held, 30.0, "the worker to finish")
+    assert ran == [1]

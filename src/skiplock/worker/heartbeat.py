@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 from uuid import UUID
@@ -52,7 +53,7 @@ class Heartbeat(PeriodicService):
         request_cancel: Callable[[int], None],
         on_lost: Callable[[int, int, asyncio.Task[None]], None],
         on_connect: Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]] | None = None,
-        on_beat: Callable[[], None] | None = None,
+        on_beat: Callable[[float], None] | None = None,
         connect_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self._url = database_url
@@ -134,9 +135,11 @@ class Heartbeat(PeriodicService):
             conn = await self._connection()
         await conn.execute(self._touch, self._registration())
         self.beats += 1
+        # The leases asked about, and when: what the answer confirms holds from then on.
+        asked_at = time.monotonic()
         if not self._leased:
             self._locked.clear()
-            self._beaten()
+            self._beaten(asked_at)
             return
         held = dict(self._leased)
         cur = await conn.execute(
@@ -170,12 +173,12 @@ class Heartbeat(PeriodicService):
             if task.done():
                 continue
             self._on_lost(job_id, attempt, task)
-        self._beaten()
+        self._beaten(asked_at)
 
-    def _beaten(self) -> None:
-        """Every lease held when the beat began is confirmed, or its loss acted on."""
+    def _beaten(self, asked_at: float) -> None:
+        """Every lease held at ``asked_at`` is confirmed, or its loss acted on."""
         if self._on_beat is not None:
-            self._on_beat()
+            self._on_beat(asked_at)
 
     async def _write_progress(self, conn: psycopg.AsyncConnection[Any]) -> None:
         pending = self._take_progress()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,8 +39,19 @@ log = logging.getLogger("skiplock.worker")
 # heartbeat (which confirms every lease the worker holds, and stops the lost ones), is at
 # most this many seconds old. Past that, the worker may have been cut off or stopped,
 # found dead and its jobs run elsewhere: the job's claim is read first. Flushes and other
-# claims say nothing about it: they succeed as well for a worker just resumed.
+# claims say nothing about it: they succeed as well for a worker just resumed. An answer
+# is as old as its question: a process stopped after the server answered reads the answer
+# only when it resumes, so each is timed from when it was asked, and a heartbeat speaks
+# only for the jobs it asked about.
 CONFIRM_AFTER_SILENCE = 1.0
+
+
+@dataclasses.dataclass
+class ClaimTimes:
+    """When a claim was asked, and when its jobs were in ``held`` (its answer read)."""
+
+    asked_at: float
+    held_at: float = math.inf
 
 
 class LeasedJobs:
@@ -80,8 +92,8 @@ class LeasedJobs:
         self._cancel_flags: dict[int, CancelFlag] = {}
         self._job_tasks: dict[int, str] = {}
         self._progress: dict[int, tuple[int, str]] = {}
-        # When a heartbeat last confirmed every lease held (monotonic seconds): see
-        # CONFIRM_AFTER_SILENCE.
+        # When the last heartbeat that confirmed every lease held took its list of them
+        # (monotonic seconds): see CONFIRM_AFTER_SILENCE.
         self.confirmed_at = time.monotonic()
         self.confirm_after = CONFIRM_AFTER_SILENCE
 
@@ -129,6 +141,7 @@ class LeasedJobs:
                 params.update(after_priority=after[0], after_run_at=after[1], after_id=after[2])
             statement = statements[reservation.ahead, after is not None]
             await limits.settled()
+            asked_at = time.monotonic()  # what the answer says holds from then on, at best
             if queue in limits:
                 rows = await limits.claim(queue, statement, params)
             else:
@@ -136,7 +149,7 @@ class LeasedJobs:
                     cur = await conn.execute(statement, params)
                     rows = await cur.fetchall()
             reservation.keep(len(rows))  # each job gives its slot back when it ends
-            claimed_at = time.monotonic()
+            claimed = ClaimTimes(asked_at)
             self._stats.claimed += len(rows)
             if rows:
                 self._stats.claims += 1
@@ -150,17 +163,24 @@ class LeasedJobs:
             told = job_log.told()
             for row in rows:
                 job = executor.claimed_from_row(row)
-                task = asyncio.create_task(self._run(job, threads, slots, claimed_at))
+                task = asyncio.create_task(self._run(job, threads, slots, claimed))
                 self.held[job.id] = (job.attempts, task)
                 self._job_tasks[job.id] = job.task
                 if told:
                     job_log.claimed(job)
+            # After the jobs are in ``held`` (the heartbeat, on its own thread, lists them
+            # from there), before their tasks first run.
+            claimed.held_at = time.monotonic()
             return len(rows) >= limit
 
         return fetch
 
     async def _run(
-        self, job: ClaimedJob, threads: ThreadPoolExecutor, slots: Slots, claimed_at: float
+        self,
+        job: ClaimedJob,
+        threads: ThreadPoolExecutor,
+        slots: Slots,
+        claimed: ClaimTimes,
     ) -> None:
         cancel = self._cancel_flags[job.id] = CancelFlag()
         gate = self._gate
@@ -178,7 +198,7 @@ class LeasedJobs:
                     finally:
                         self.at_gate.discard(job.id)
                     started = time.perf_counter()
-                    if not await self._still_ours(job, claimed_at):
+                    if not await self._still_ours(job, claimed):
                         return
                 if cancel.is_set():
                     raise asyncio.CancelledError  # cancelled while it waited: never ran
@@ -254,11 +274,20 @@ class LeasedJobs:
                 gate.release()
             slots.give(1)
 
-    def confirmed(self) -> None:
-        """A heartbeat confirmed every lease held when it began (and stopped lost ones)."""
-        self.confirmed_at = time.monotonic()
+    def confirmed(self, asked_at: float) -> None:
+        """A heartbeat confirmed every lease held when it took its list of them at
+        ``asked_at`` (and stopped the lost ones)."""
+        self.confirmed_at = max(self.confirmed_at, asked_at)
 
-    async def _still_ours(self, job: ClaimedJob, claimed_at: float) -> bool:
+    def _fresh_since(self, claimed: ClaimTimes) -> float:
+        """Since when the database is known to hold a job claimed at ``claimed`` for this
+        worker: since its claim was asked, or since a later heartbeat asked, if that one
+        asked about it (took its list after the job was in it)."""
+        if self.confirmed_at > claimed.held_at:
+            return max(claimed.asked_at, self.confirmed_at)
+        return claimed.asked_at
+
+    async def _still_ours(self, job: ClaimedJob, claimed: ClaimTimes) -> bool:
         """Whether a job that waited for a slot may start. After a silence (a cut link,
         a frozen process) its claim is read first: a rescuer may have given it back and
         another worker run it, and the heartbeat that would tell may not have come yet
@@ -267,8 +296,10 @@ class LeasedJobs:
         if self._superseded(job):
             self._stats.lost_leases += 1
             return False
-        latest = max(claimed_at, self.confirmed_at)
-        if self.starts is None or time.monotonic() - latest <= self.confirm_after:
+        if (
+            self.starts is None
+            or time.monotonic() - self._fresh_since(claimed) <= self.confirm_after
+        ):
             return True
         try:
             # Claimed again by this worker meanwhile, the row reads as ours: hence the
