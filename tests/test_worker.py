@@ -825,6 +825,30 @@ def test_a_job_behind_the_cursor_that_nobody_announced_is_found_by_the_probe(
         assert state_of(autocommit, hidden) == "available"
 
 
+def test_a_job_at_the_cursors_own_position_made_ready_again_is_found_by_the_probe(
+    app: skiplock.App, start_worker: StartWorker, autocommit: psycopg.Connection[Any]
+) -> None:
+    """The cursor rests on the last job claimed; claims resume strictly after it. That job,
+    dead, made available again by a plain UPDATE (no trigger, no notification), sits at
+    the cursor's position, not behind it: the probe must find it too."""
+    attempts: list[int] = []
+
+    @app.task(name="flaky_once", max_attempts=1)
+    def flaky_once() -> None:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise RuntimeError("the first attempt fails")
+
+    start_worker(app, poll_interval=0.05, sweep_interval=0.2)
+    job_id = enqueue(app.database_url, flaky_once)
+    wait_for_state(autocommit, job_id, "dead")
+    autocommit.execute(
+        "UPDATE skiplock.jobs SET state = 'available', attempts = 0 WHERE id = %s", (job_id,)
+    )
+    wait_for_state(autocommit, job_id, "completed", timeout=10.0)
+    assert attempts == [1, 1]
+
+
 # -- prefetch --------------------------------------------------------------------------
 
 

@@ -113,9 +113,10 @@ WHERE id = %(id)s AND worker_id = %(worker_id)s AND attempts = %(attempt)s
 
 # The probe for a lease-mode cursor, run off the claim path every few seconds: the first
 # ready job behind the cursor, if any (one that no notification announced, or that a claim
-# skipped while another transaction held its row). The index condition bounds the scan at
-# the cursor; under a held-back VACUUM it walks the consumed entries before it, but no
-# claim waits for that.
+# skipped while another transaction held its row), or at it: the cursor rests on the last
+# job claimed, which can be ready again (given back, retried by hand) while claims resume
+# strictly after it. The index condition bounds the scan at the cursor; under a held-back
+# VACUUM it walks the consumed entries before it, but no claim waits for that.
 JOB_BEHIND_CURSOR = """
 SELECT priority, run_at, id
 FROM {jobs}
@@ -124,7 +125,7 @@ WHERE queue = %(queue)s
   AND run_at <= now()
   AND task <> ALL(%(exclude_tasks)s::text[])
   AND (priority, run_at, id)
-      < (%(after_priority)s::smallint, %(after_run_at)s::timestamptz, %(after_id)s::bigint)
+      <= (%(after_priority)s::smallint, %(after_run_at)s::timestamptz, %(after_id)s::bigint)
 ORDER BY priority, run_at, id
 LIMIT 1
 """
