@@ -288,3 +288,63 @@ def test_a_claim_answered_late_is_read_again_before_its_jobs_start(
     wait_until(completed, 30.0, "the job given back to run")
     wait_until(lambda: not jobs.held, 30.0, "the worker to finish")
     assert ran == [1]
+
+
+def test_a_confirmation_answered_late_is_asked_again(
+    app: skiplock.App, start_worker: StartWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job that waited for a slot after a silence reads its claim before it starts. If
+    the worker stops while that read's yes is on its way, the yes is stale when read: the
+    job may have been given back meanwhile. It is asked again, not taken at its word."""
+    release = threading.Event()
+    ran: list[str] = []
+
+    @app.task(name="blocker")
+    def blocker() -> None:
+        release.wait(30)
+
+    @app.task(name="waiting")
+    def waiting() -> None:
+        ran.append("waiting")
+
+    with psycopg.connect(app.database_url) as conn:
+        app.enqueue_many(
+            conn, [blocker.with_options(priority=0).job(), waiting.with_options(priority=1).job()]
+        )
+    handle = start_worker(app, concurrency=1, prefetch=1)
+    jobs = handle.worker._jobs
+    assert jobs is not None and jobs.starts is not None
+    wait_until(lambda: len(jobs.held) == 2 and len(jobs.at_gate) == 1, 30.0, "both claimed")
+    (waiting_id,) = jobs.at_gate
+    jobs.confirm_after = 0.0  # every start after a wait reads its claim first
+    jobs.late_answer = 0.3
+    answered = jobs.starts.still_claimed
+    late = threading.Event()
+
+    async def still_claimed_late(job_id: int, attempt: int) -> bool:
+        ours = await answered(job_id, attempt)
+        if job_id == waiting_id and not late.is_set():
+            late.set()
+            # Given back, as a rescuer does, while the loop stands still (a stopped
+            # worker) with the yes in hand.
+            with psycopg.connect(app.database_url, autocommit=True) as conn:
+                conn.execute(
+                    f"UPDATE {app.schema}.jobs SET state = 'available', worker_id = NULL, "
+                    "lease_expires_at = NULL, claimed_ahead = false, attempts = attempts - 1 "
+                    "WHERE id = %s",
+                    (job_id,),
+                )
+                conn.execute(
+                    "SELECT pg_notify(%s, queue || E'\\t' || priority || E'\\t' "
+                    f"|| extract(epoch FROM run_at)) FROM {app.schema}.jobs WHERE id = %s",
+                    (notify_channel(app.schema), job_id),
+                )
+            time.sleep(2 * jobs.late_answer)
+        return ours
+
+    monkeypatch.setattr(jobs.starts, "still_claimed", still_claimed_late)
+    release.set()
+    wait_until(late.is_set, 30.0, "the confirmation answered late")
+    wait_until(lambda: ran == ["waiting"], 30.0, "the job given back to run")
+    wait_until(lambda: not jobs.held, 30.0, "the worker to finish")
+    assert ran == ["waiting"]

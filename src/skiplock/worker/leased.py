@@ -44,6 +44,9 @@ log = logging.getLogger("skiplock.worker")
 # only when it resumes, so each is timed from when it was asked, and a heartbeat speaks
 # only for the jobs it asked about.
 CONFIRM_AFTER_SILENCE = 1.0
+# Confirmations asked in a row before a job is left unstarted: an answer that took longer
+# than CONFIRM_AFTER_SILENCE to arrive says nothing of now.
+CONFIRM_TRIES = 3
 
 
 @dataclasses.dataclass
@@ -96,6 +99,8 @@ class LeasedJobs:
         # (monotonic seconds): see CONFIRM_AFTER_SILENCE.
         self.confirmed_at = time.monotonic()
         self.confirm_after = CONFIRM_AFTER_SILENCE
+        # A confirmation that took longer than this to come says nothing of now.
+        self.late_answer = CONFIRM_AFTER_SILENCE
 
     @property
     def running(self) -> int:
@@ -301,19 +306,20 @@ class LeasedJobs:
             or time.monotonic() - self._fresh_since(claimed) <= self.confirm_after
         ):
             return True
-        try:
-            # Claimed again by this worker meanwhile, the row reads as ours: hence the
-            # second look at ``held`` below.
-            ours = await self.starts.still_claimed(job.id, job.attempts)
-        except Exception as exc:  # unconfirmed either way: it must not start
-            log.warning(
-                "job %s: could not confirm its claim after a silence (%s); not starting it",
-                job.id,
-                exc,
-            )
-            ours = False
-            self._stats.lost_leases += 1
-        else:
+        for _ in range(CONFIRM_TRIES):
+            asked_at = time.monotonic()
+            try:
+                # Claimed again by this worker meanwhile, the row reads as ours: hence the
+                # second look at ``held`` below.
+                ours = await self.starts.still_claimed(job.id, job.attempts)
+            except Exception as exc:  # unconfirmed either way: it must not start
+                log.warning(
+                    "job %s: could not confirm its claim after a silence (%s); not starting it",
+                    job.id,
+                    exc,
+                )
+                self._stats.lost_leases += 1
+                return False
             if not ours:
                 self._stats.lost_leases += 1
                 log.warning(
@@ -322,10 +328,23 @@ class LeasedJobs:
                     job.id,
                     job.attempts,
                 )
-        if ours and self._superseded(job):
+                return False
+            if time.monotonic() - asked_at <= self.late_answer:
+                break
+            # The yes is as old as the question: the worker stopped while it was on its
+            # way, and the job may have been given back since. Ask again.
+        else:
+            self._stats.lost_leases += 1
+            log.warning(
+                "job %s attempt %s: every confirmation of its claim came late; not starting it",
+                job.id,
+                job.attempts,
+            )
+            return False
+        if self._superseded(job):
             self._stats.lost_leases += 1
             return False
-        return ours
+        return True
 
     def _superseded(self, job: ClaimedJob) -> bool:
         """Whether this task no longer holds the job: given back while it waited, and
