@@ -762,6 +762,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise ConfigurationError(
                 f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}"
             )
+    if not args.promote_after >= 0:  # also refuses nan
+        raise ConfigurationError(f"--promote-after {args.promote_after}: use 0 or more seconds")
     return bench.run(
         scenarios,
         database_url=args.database_url,
@@ -775,6 +777,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         phase_seconds=[float(x) for x in args.phases.split(",")],
         enqueue_seconds=args.enqueue_seconds,
         worker_args=shlex.split(args.worker_args),
+        promote_after=args.promote_after,
     )
 
 
@@ -1062,6 +1065,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=20.0,
         help="enqueue-concurrent: seconds per run (default %(default)s)",
+    )
+    p.add_argument(
+        "--promote-after",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="failover: seconds from the standby noticing the loss to its promotion, as a "
+        "failover manager waits out its own timeouts (default %(default)s)",
     )
     p.add_argument(
         "--worker-args",

@@ -7,9 +7,6 @@ handlers' own records (``Timeline``), as for queue limits.
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections import Counter
-from datetime import datetime
 from typing import Any
 
 import pytest
@@ -19,48 +16,12 @@ from skiplock import history
 
 from .conftest import Sem, StartWorkers
 from .test_limits import PATIENCE
-from .timeline import Timeline, max_overlap, most_starts_within
+from .timeline import Timeline, WindowLog, max_overlap, most_starts_within
 
 pytestmark = pytest.mark.timeout(90)
 
 # Admission is stamped a little before the handler starts.
 SLACK = 0.05
-
-
-class AdmissionLog:
-    """Every admission of the rate-limited keys, read from the admitter's own log
-    (key_rates) every POLL_SECONDS: an admission stays there for at least its period, so
-    none is missed. What the rate limits is admissions; a job starts a little after its
-    admission, later on a busy machine, so starts of two windows can come closer together
-    than admissions ever do (the README says so)."""
-
-    POLL_SECONDS = 0.05
-
-    def __init__(self, sem: Sem) -> None:
-        self._sem = sem
-        # Per key, each admission time with its count (one pass admits several jobs at
-        # one time): the most seen in any one read.
-        self.seen: dict[str, Counter[datetime]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            for key, admissions in self._sem.execute("SELECT key, admissions FROM {key_rates}"):
-                now: Counter[datetime] = Counter(admissions)
-                self.seen[key] = self.seen.get(key, Counter()) | now
-            self._stop.wait(self.POLL_SECONDS)
-
-    def __enter__(self) -> AdmissionLog:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def times(self, key: str) -> list[float]:
-        return sorted(t.timestamp() for t in self.seen.get(key, Counter()).elements())
 
 
 def test_a_rate_key_spreads_its_starts_and_keys_do_not_share_a_rate(
@@ -82,7 +43,7 @@ def test_a_rate_key_spreads_its_starts_and_keys_do_not_share_a_rate(
         for n in range(per_key)
         for account in ("a", "b")
     ]
-    with AdmissionLog(sem) as log:
+    with WindowLog(lambda: sem.execute("SELECT key, admissions FROM {key_rates}")) as log:
         ids = sem.enqueue_many(specs)
         sem.wait_for_all(ids, "completed", timeout=PATIENCE)
     for account in ("a", "b"):

@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 import skiplock
 
@@ -73,3 +75,45 @@ def most_starts_within(starts: Sequence[float], window: float) -> int:
             first += 1
         most = max(most, last - first + 1)
     return most
+
+
+class WindowLog:
+    """Every time a rate limit counted, read from the database's own sliding window (the
+    admitter's key_rates, a queue's rate_window) every POLL_SECONDS while the test runs,
+    and once more at its end: a time stays in its window for at least the period, so none
+    is missed. What a rate limits is those times, on the database's clock; a handler
+    starts a little after its job was counted, later on a busy machine, so the starts of
+    two windows can come closer together than the counted times ever do (the README says
+    so). ``read`` returns (key, times) rows."""
+
+    POLL_SECONDS = 0.05
+
+    def __init__(self, read: Callable[[], Sequence[tuple[str, Sequence[datetime]]]]) -> None:
+        self._read = read
+        # Per key, each time with its count (one statement counts several jobs at one
+        # time): the most seen in any one read.
+        self.seen: dict[str, Counter[datetime]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _take(self) -> None:
+        for key, times in self._read():
+            now: Counter[datetime] = Counter(times)
+            self.seen[key] = self.seen.get(key, Counter()) | now
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self._take()
+            self._stop.wait(self.POLL_SECONDS)
+
+    def __enter__(self) -> WindowLog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._take()  # the last ones, counted since the last read
+
+    def times(self, key: str) -> list[float]:
+        return sorted(t.timestamp() for t in self.seen.get(key, Counter()).elements())

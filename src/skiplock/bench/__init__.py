@@ -827,6 +827,7 @@ def run(
     phase_seconds: Sequence[float] = (20, 60, 180, 60),
     enqueue_seconds: float = 20.0,
     worker_args: Sequence[str] = (),
+    promote_after: float = 0.0,
 ) -> int:
     schema = BENCH_SCHEMA
     WORKER_ARGS[:] = worker_args
@@ -874,7 +875,9 @@ def run(
             if scenario == "hosts":
                 built = hosts.hosts_figures(jobs, processes, concurrency, runs)
             else:
-                built = hosts.failover_figures(jobs, processes, concurrency, runs, rate)
+                built = hosts.failover_figures(
+                    jobs, processes, concurrency, runs, rate, promote_after
+                )
             for figure in built:
                 report(figure)
             continue

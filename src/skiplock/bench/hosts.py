@@ -195,9 +195,17 @@ def refused_outcomes(logs: Sequence[Path]) -> int:
 
 
 def failover_once(
-    jobs: int, processes: int, concurrency: int, rate: float, *, synchronous: bool
+    jobs: int,
+    processes: int,
+    concurrency: int,
+    rate: float,
+    *,
+    synchronous: bool,
+    promote_after: float = 0.0,
 ) -> dict[str, float]:
-    """One failover, on a topology of its own (a failover uses it up)."""
+    """One failover, on a topology of its own (a failover uses it up). The standby is
+    promoted ``promote_after`` seconds after it noticed the loss, as a failover manager
+    does once its own timeouts have passed (Patroni's ttl is 30 s by default)."""
     topology = Topology(workers=2, standby=True, tag="bench")
     try:
         topology.up(lambda url: App(url, schema=BENCH_SCHEMA).migrate(), synchronous=synchronous)
@@ -230,6 +238,7 @@ def failover_once(
             topology.primary.power_off()
             with psycopg.connect(topology.standby.local_url(), autocommit=True) as new:
                 poll_until(lambda: not _receiving(new), 30, POLL, "the standby to notice")
+                time.sleep(promote_after)  # the manager's decision: the scenario's schedule
                 promoted_at = topology.standby.promote()
                 enqueuer.finish()
                 _wait_drained(new, BENCH_SCHEMA, timeout=120 + jobs / 50)
@@ -294,7 +303,7 @@ FAILOVER_FIGURES = (
 
 
 def failover_figures(
-    jobs: int, processes: int, concurrency: int, runs: int, rate: float
+    jobs: int, processes: int, concurrency: int, runs: int, rate: float, promote_after: float
 ) -> list[Figure]:
     """The ``failover`` scenario: ``runs`` failovers with synchronous replication, then as
     many with asynchronous; a figure per measure and mode."""
@@ -303,7 +312,14 @@ def failover_figures(
     for synchronous in (True, False):
         mode = "sync" if synchronous else "async"
         results = [
-            failover_once(jobs, processes, concurrency, rate, synchronous=synchronous)
+            failover_once(
+                jobs,
+                processes,
+                concurrency,
+                rate,
+                synchronous=synchronous,
+                promote_after=promote_after,
+            )
             for _ in range(runs)
         ]
         for key, unit, what in FAILOVER_FIGURES:
