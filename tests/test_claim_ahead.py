@@ -11,13 +11,15 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import dataclass
 
 import psycopg
 import pytest
 
 import skiplock
-from conftest import StartWorker, wait_until
+from conftest import StartWorker, WorkerThread, wait_until
 from skiplock.config import notify_channel
+from skiplock.worker.leased import LeasedJobs
 from skiplock.worker.producer import ClaimAhead, Slots, ahead_target
 
 
@@ -127,12 +129,39 @@ def test_long_jobs_are_not_claimed_ahead_and_an_idle_worker_gets_its_share(
         assert 2 <= stats.claimed <= 4, stats  # each worker ran its share
 
 
-def test_a_job_claimed_ahead_and_given_back_while_it_waited_does_not_start(
-    app: skiplock.App, start_worker: StartWorker
-) -> None:
-    """A worker cut off from the database is found dead and its jobs given back, while a
-    job it claimed ahead waits for a slot. When a slot frees, that job must not start on
-    a claim that is no longer the worker's (tests/cluster saw it run twice)."""
+def give_back(app: skiplock.App, job_id: int | None = None) -> list[int]:
+    """What a rescuer does to the jobs of a worker it found dead (``job_id``'s, or every
+    running one): back to available, never started, with the wake-up that carries each
+    one's position (a rescue rewinds claim cursors)."""
+    with psycopg.connect(app.database_url, autocommit=True) as conn:
+        rows = conn.execute(
+            f"UPDATE {app.schema}.jobs SET state = 'available', worker_id = NULL, "
+            "lease_expires_at = NULL, claimed_ahead = false, attempts = attempts - 1 "
+            "WHERE state = 'running' AND (%(id)s::bigint IS NULL OR id = %(id)s) RETURNING id",
+            {"id": job_id},
+        ).fetchall()
+        ids = [int(row[0]) for row in rows]
+        conn.execute(
+            "SELECT pg_notify(%s, queue || E'\\t' || priority || E'\\t' "
+            f"|| extract(epoch FROM run_at)) FROM {app.schema}.jobs WHERE id = ANY(%s)",
+            (notify_channel(app.schema), ids),
+        )
+    return ids
+
+
+@dataclass
+class OneWaiting:
+    """A worker of one slot held by a blocker job, with one job claimed ahead waiting at
+    the gate for that slot; ``release`` frees it, ``ran`` records the waiting job's runs."""
+
+    handle: WorkerThread
+    jobs: LeasedJobs
+    waiting_id: int
+    release: threading.Event
+    ran: list[str]
+
+
+def one_waiting(app: skiplock.App, start_worker: StartWorker) -> OneWaiting:
     release = threading.Event()
     ran: list[str] = []
 
@@ -153,29 +182,26 @@ def test_a_job_claimed_ahead_and_given_back_while_it_waited_does_not_start(
     assert jobs is not None
     wait_until(lambda: len(jobs.held) == 2 and len(jobs.at_gate) == 1, 30.0, "both claimed")
     (waiting_id,) = jobs.at_gate
+    return OneWaiting(handle, jobs, waiting_id, release, ran)
+
+
+def test_a_job_claimed_ahead_and_given_back_while_it_waited_does_not_start(
+    app: skiplock.App, start_worker: StartWorker
+) -> None:
+    """A worker cut off from the database is found dead and its jobs given back, while a
+    job it claimed ahead waits for a slot. When a slot frees, that job must not start on
+    a claim that is no longer the worker's (tests/cluster saw it run twice)."""
+    setup = one_waiting(app, start_worker)
+    jobs = setup.jobs
     # As after a silence: the next start reads its claim first.
     jobs.confirm_after = 0.0
-    # What a rescuer does to the jobs of a worker it found dead: back to available.
-    with psycopg.connect(app.database_url, autocommit=True) as conn:
-        given_back = conn.execute(
-            f"UPDATE {app.schema}.jobs SET state = 'available', worker_id = NULL, "
-            "lease_expires_at = NULL, claimed_ahead = false, attempts = attempts - 1 "
-            "WHERE id = %s AND state = 'running' RETURNING id",
-            (waiting_id,),
-        ).fetchall()
-        # and its wake-up, with the job's position (a rescue rewinds claim cursors).
-        conn.execute(
-            "SELECT pg_notify(%s, queue || E'\\t' || priority || E'\\t' "
-            f"|| extract(epoch FROM run_at)) FROM {app.schema}.jobs WHERE id = %s",
-            (notify_channel(app.schema), waiting_id),
-        )
-    assert given_back == [(waiting_id,)]
+    assert give_back(app, setup.waiting_id) == [setup.waiting_id]
 
-    release.set()  # the slot frees; the job given back is claimed again and runs once
-    wait_until(lambda: ran == ["waiting"], 30.0, "the job given back to run")
+    setup.release.set()  # the slot frees; the job given back is claimed again and runs once
+    wait_until(lambda: setup.ran == ["waiting"], 30.0, "the job given back to run")
     wait_until(lambda: not jobs.held, 30.0, "the worker to finish")
-    assert ran == ["waiting"]
-    assert handle.worker.stats.lost_leases == 1
+    assert setup.ran == ["waiting"]
+    assert setup.handle.worker.stats.lost_leases == 1
 
 
 def test_a_job_given_back_while_it_ran_and_claimed_again_is_completed_by_the_new_claim(
@@ -201,17 +227,7 @@ def test_a_job_given_back_while_it_ran_and_claimed_again_is_completed_by_the_new
     handle = start_worker(app, concurrency=2, prefetch=0)
     wait_until(lambda: runs == [1], 30.0, "the first run to start")
     # What a rescuer does to a job whose lease ran out, with its wake-up.
-    with psycopg.connect(app.database_url, autocommit=True) as conn:
-        conn.execute(
-            f"UPDATE {app.schema}.jobs SET state = 'available', worker_id = NULL, "
-            "lease_expires_at = NULL, attempts = attempts - 1 WHERE id = %s",
-            (job_id,),
-        )
-        conn.execute(
-            "SELECT pg_notify(%s, queue || E'\\t' || priority || E'\\t' "
-            f"|| extract(epoch FROM run_at)) FROM {app.schema}.jobs WHERE id = %s",
-            (notify_channel(app.schema), job_id),
-        )
+    assert give_back(app, job_id) == [job_id]
     wait_until(lambda: runs == [1, 2], 30.0, "the job claimed again by the same worker")
     releases[0].set()  # the stale run ends first, while the new claim holds the job
     wait_until(lambda: ended == [1], 30.0, "the stale run to end")
@@ -256,18 +272,7 @@ def test_a_claim_answered_late_is_read_again_before_its_jobs_start(
         claim = rows and isinstance(rows[0], tuple) and len(rows[0]) >= 6
         if armed.is_set() and claim and (cursor.statusmessage or "").startswith("UPDATE"):
             armed.clear()
-            with psycopg.connect(app.database_url, autocommit=True) as conn:
-                conn.execute(
-                    f"UPDATE {app.schema}.jobs SET state = 'available', worker_id = NULL, "
-                    "lease_expires_at = NULL, claimed_ahead = false, attempts = attempts - 1 "
-                    "WHERE state = 'running'"
-                )
-                # and its wake-up, with the job's position (a rescue rewinds claim cursors)
-                conn.execute(
-                    "SELECT pg_notify(%s, queue || E'\\t' || priority || E'\\t' "
-                    f"|| extract(epoch FROM run_at)) FROM {app.schema}.jobs",
-                    (notify_channel(app.schema),),
-                )
+            give_back(app)
             time.sleep(2 * jobs.confirm_after)  # the loop stands still: nothing else runs
         return rows
 
@@ -296,26 +301,9 @@ def test_a_confirmation_answered_late_is_asked_again(
     """A job that waited for a slot after a silence reads its claim before it starts. If
     the worker stops while that read's yes is on its way, the yes is stale when read: the
     job may have been given back meanwhile. It is asked again, not taken at its word."""
-    release = threading.Event()
-    ran: list[str] = []
-
-    @app.task(name="blocker")
-    def blocker() -> None:
-        release.wait(30)
-
-    @app.task(name="waiting")
-    def waiting() -> None:
-        ran.append("waiting")
-
-    with psycopg.connect(app.database_url) as conn:
-        app.enqueue_many(
-            conn, [blocker.with_options(priority=0).job(), waiting.with_options(priority=1).job()]
-        )
-    handle = start_worker(app, concurrency=1, prefetch=1)
-    jobs = handle.worker._jobs
-    assert jobs is not None and jobs.starts is not None
-    wait_until(lambda: len(jobs.held) == 2 and len(jobs.at_gate) == 1, 30.0, "both claimed")
-    (waiting_id,) = jobs.at_gate
+    setup = one_waiting(app, start_worker)
+    jobs, waiting_id = setup.jobs, setup.waiting_id
+    assert jobs.starts is not None
     jobs.confirm_after = 0.0  # every start after a wait reads its claim first
     jobs.late_answer = 0.3
     answered = jobs.starts.still_claimed
@@ -327,24 +315,13 @@ def test_a_confirmation_answered_late_is_asked_again(
             late.set()
             # Given back, as a rescuer does, while the loop stands still (a stopped
             # worker) with the yes in hand.
-            with psycopg.connect(app.database_url, autocommit=True) as conn:
-                conn.execute(
-                    f"UPDATE {app.schema}.jobs SET state = 'available', worker_id = NULL, "
-                    "lease_expires_at = NULL, claimed_ahead = false, attempts = attempts - 1 "
-                    "WHERE id = %s",
-                    (job_id,),
-                )
-                conn.execute(
-                    "SELECT pg_notify(%s, queue || E'\\t' || priority || E'\\t' "
-                    f"|| extract(epoch FROM run_at)) FROM {app.schema}.jobs WHERE id = %s",
-                    (notify_channel(app.schema), job_id),
-                )
+            assert give_back(app, job_id) == [job_id]
             time.sleep(2 * jobs.late_answer)
         return ours
 
     monkeypatch.setattr(jobs.starts, "still_claimed", still_claimed_late)
-    release.set()
+    setup.release.set()
     wait_until(late.is_set, 30.0, "the confirmation answered late")
-    wait_until(lambda: ran == ["waiting"], 30.0, "the job given back to run")
+    wait_until(lambda: setup.ran == ["waiting"], 30.0, "the job given back to run")
     wait_until(lambda: not jobs.held, 30.0, "the worker to finish")
-    assert ran == ["waiting"]
+    assert setup.ran == ["waiting"]
