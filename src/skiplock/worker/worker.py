@@ -72,6 +72,12 @@ log = logging.getLogger("skiplock.worker")
 FINAL_WRITES_SECONDS = 15.0
 # Connections for the maintenance services: at most one each at a time.
 MAINTENANCE_POOL_SIZE = 7
+# How long a pool keeps retrying one lost connection before it gives up on that attempt
+# and grows again when asked. psycopg_pool doubles the wait between tries without a cap
+# until then (five minutes by default), so a worker let back in after a minute's outage
+# would wait half a minute more for its next try; ended sooner, the tries stay a few
+# seconds apart (tests/test_reconnect.py).
+POOL_RECONNECT_SECONDS = 10.0
 STARTUP_RETRY = RetryPolicy(base=0.5, factor=2.0, cap=15.0, jitter=0.5)
 
 
@@ -237,6 +243,7 @@ class Worker:
             configure=pooled_liveness,
             open=False,
             name=f"skiplock-{self.id}",
+            reconnect_timeout=POOL_RECONNECT_SECONDS,
         )
         # The leader's duties, promotion and the probe: every statement bounded, and
         # never waiting for a connection behind claims and outcomes (or they for it).
@@ -252,6 +259,7 @@ class Worker:
             configure=pooled_liveness,
             open=False,
             name=f"skiplock-{self.id}-maintenance",
+            reconnect_timeout=POOL_RECONNECT_SECONDS,
         )
         sync_pool: ConnectionPool[Any] | None = None
         if any(tx_sync.values()):
@@ -266,6 +274,7 @@ class Worker:
                 },
                 configure=pooled_liveness.take,
                 open=False,
+                reconnect_timeout=POOL_RECONNECT_SECONDS,
             )
             sync_pool.open()
         await pool.open()
