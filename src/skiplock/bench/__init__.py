@@ -93,7 +93,7 @@ class Figure:
 
     def line(self) -> str:
         text = (
-            f"{self.name:<28} {self.median:>12,.1f} {self.unit:<8} "
+            f"{self.name:<40} {self.median:>12,.1f} {self.unit:<8} "
             f"(min {min(self.runs):,.1f}, max {max(self.runs):,.1f}, runs {len(self.runs)})"
         )
         if self.extra:
