@@ -287,3 +287,37 @@ SET state = CASE WHEN %(dead)s THEN 'dead' WHEN %(delay)s > 0 THEN 'retryable'
 WHERE id = %(id)s AND state = 'available'
 RETURNING id
 """
+
+# Transactional mode, the shutdown deadline: the job still running is cut short. Its
+# savepoint (named JOB_SAVEPOINT) rolled back, its attempt is not counted (it was cut
+# short, not failed) and, as lease mode's release does, a note says why. The row lock
+# held by the batch's transaction is the fence.
+JOB_SAVEPOINT = "skiplock_job"
+
+JOB_NOTE_SHUTDOWN_LOCKED = """
+UPDATE {jobs}
+SET errors = errors || jsonb_build_array(jsonb_build_object(
+        'attempt', attempts + 1,
+        'at', now(),
+        'type', 'WorkerShutdown',
+        'message', 'worker stopped before the job finished; the attempt is not counted',
+        'traceback', NULL))
+WHERE id = %(id)s AND state = 'available'
+"""
+
+# The same cut for a sync session, made from another thread while the session's own is
+# still in the handler (a thread cannot be stopped): the job's savepoint rolled back, its
+# note, the wake-up of result waiters, the commit of the jobs finished before it. One
+# query string, sent as one message (bound client-side, simple protocol): nothing the
+# handler still sends can come between the rollback and the commit. The BEGIN at the end
+# holds whatever it sends next in a transaction that never commits: the session is
+# closed right after.
+BATCH_COMMIT_CUT = (
+    "ROLLBACK TO SAVEPOINT "
+    + JOB_SAVEPOINT
+    + ";\n"
+    + JOB_NOTE_SHUTDOWN_LOCKED.strip()
+    + ";\n"
+    + JOBS_DONE_NOTIFY.strip()
+    + ";\nCOMMIT;\nBEGIN"
+)
