@@ -297,7 +297,8 @@ async def run_leased(
 # if even that is refused, a plain failure naming the reason is written instead. And if
 # the session itself ends while a job runs (the server ending a stuck handler, a DBA, a
 # network cut), that job's attempt is counted from another session (decision 002): no
-# job can roll back its own attempts forever.
+# job can roll back its own attempts forever. A worker's stop (BatchStop) starts no
+# further job of a batch and commits what finished, a job cut short at the deadline aside.
 
 Step = tuple[str, dict[str, Any]]
 
@@ -413,6 +414,90 @@ def _limit_params(timeout: float) -> dict[str, Any]:
     return {"idle": ms, "statement": ms}
 
 
+class CutShortError(Exception):
+    """The shutdown deadline cut the running job short (BatchStop.cut)."""
+
+
+_CUT_REASON = "cut short by the shutdown deadline; its writes rolled back, its attempt not counted"
+
+
+class BatchStop:
+    """A worker's stop as one transactional batch sees it (decision 002). The async and
+    the sync session share it; they differ only in how a cut reaches a running handler.
+
+    Once ``stopping`` is set no further job of the batch starts: the session commits what
+    finished, and the jobs it did not start go back with that commit, untouched (their row
+    locks were the claim; attempts are counted only by an outcome). ``cut`` is the shutdown
+    deadline: the job still running is cut short, its savepoint rolled back and its attempt
+    not counted (a WorkerShutdown note says so, as in lease mode), and the jobs finished
+    before it commit all the same."""
+
+    def __init__(self, stopping: threading.Event | None = None) -> None:
+        self._stopping = stopping if stopping is not None else threading.Event()
+        # Taken by ``cut`` for as long as its action lasts, and by the handler's start and
+        # return: a sync handler that returns during a cut waits for the commit made for it.
+        self._lock = threading.Lock()
+        self._halted = False
+        self._running: ClaimedJob | None = None
+        self._on_cut: Callable[[], object] = lambda: None
+        self._cut: ClaimedJob | None = None
+
+    def jobs_to_start(self, jobs: Sequence[ClaimedJob]) -> Iterator[ClaimedJob]:
+        """``jobs`` in order, until a stop is asked."""
+        for index, job in enumerate(jobs):
+            if self._stopped():
+                self._handed_back(len(jobs) - index)
+                return
+            yield job
+
+    def entered(self, job: ClaimedJob, on_cut: Callable[[], object], left: int) -> bool:
+        """``job``'s handler is about to start, in its savepoint; ``on_cut`` is how a cut
+        would reach it. False when a stop came since ``jobs_to_start`` let it through:
+        then it does not start (with the ``left`` jobs behind it, itself included)."""
+        with self._lock:
+            if self._stopped():
+                self._handed_back(left)
+                return False
+            self._running, self._on_cut = job, on_cut
+            return True
+
+    @property
+    def was_cut(self) -> bool:
+        return self._cut is not None
+
+    def left(self) -> bool:
+        """The handler returned or raised: True when it was cut short meanwhile."""
+        with self._lock:
+            self._running = None
+            return self._cut is not None
+
+    def cut(self) -> bool:
+        """Cut the running handler short (the session's ``on_cut``), and start no other;
+        False when none runs (the session is between jobs, and ends by itself)."""
+        with self._lock:
+            self._halted = True
+            if self._running is None or self._cut is not None:
+                return False
+            self._cut = self._running
+            self._on_cut()
+            return True
+
+    def _stopped(self) -> bool:
+        return self._halted or self._stopping.is_set()
+
+    @staticmethod
+    def _handed_back(count: int) -> None:
+        log.info("stop asked: %d jobs of the batch go back unstarted", count)
+
+
+class _NotStartedError(Exception):
+    """A stop came between a job's setup and its handler's start (BatchStop.entered)."""
+
+
+def _shutdown_note(app: App, job: ClaimedJob) -> Step:
+    return render(complete.JOB_NOTE_SHUTDOWN_LOCKED, app.schema), {"id": job.id}
+
+
 async def run_transactional_async(
     app: App,
     conn: psycopg.AsyncConnection[Any],
@@ -422,14 +507,20 @@ async def run_transactional_async(
     *,
     rng: random.Random,
     clock: Clock = utcnow,
+    stop: BatchStop | None = None,
     on_claimed: Callable[[int], None] = lambda n: None,
     on_finished: Finished = lambda job, kind, seconds, error: None,
 ) -> int:
     """Claim, run and record up to ``limit`` async transactional jobs in one transaction.
 
     Each job runs in a savepoint: a failing handler's writes roll back while the failure
-    itself is recorded in the outer transaction. Returns how many jobs were claimed.
+    itself is recorded in the outer transaction. ``stop`` ends the batch early (BatchStop):
+    a cut reaches the handler as a cancellation. Returns how many jobs ran to an outcome.
     """
+    stop = stop if stop is not None else BatchStop()
+    session = asyncio.current_task()
+    assert session is not None
+    finished = 0
     running: ClaimedJob | None = None
     traced: _TracedAttempt | None = None
     try:
@@ -441,7 +532,7 @@ async def run_transactional_async(
             )
             jobs = [claimed_from_row(r) for r in await cur.fetchall()]
             on_claimed(len(jobs))
-            for job in jobs:
+            for job in stop.jobs_to_start(jobs):
                 running = job
                 task = app.tasks[job.task]
                 exc: BaseException | None = None
@@ -452,11 +543,34 @@ async def run_transactional_async(
                 try:
                     if job.args_error is not None:
                         raise ArgumentsError(job.args_error)
-                    async with conn.transaction():
-                        coro = task.fn(conn, **job.args)
-                        result = await asyncio.wait_for(coro, task.options.timeout)
+                    async with conn.transaction(complete.JOB_SAVEPOINT):
+                        if not stop.entered(job, session.cancel, len(jobs) - finished):
+                            raise _NotStartedError
+                        try:
+                            coro = task.fn(conn, **job.args)
+                            result = await asyncio.wait_for(coro, task.options.timeout)
+                        except asyncio.CancelledError:
+                            if not stop.was_cut:
+                                raise  # not the cut's: the session itself is cancelled
+                        finally:
+                            if stop.left():
+                                # Whatever the handler made of the cut's cancellation, the
+                                # session goes on: to roll the job back and commit the rest.
+                                if session.cancelling():
+                                    session.uncancel()
+                                raise CutShortError(_CUT_REASON)
                         step = _completion_step(app, job, result)
                         await conn.execute(*step)
+                except (CutShortError, _NotStartedError) as stopped:
+                    set_current_job(None)
+                    running = None
+                    if traced is not None:
+                        traced.abort(stopped)
+                        traced = None
+                    if isinstance(stopped, CutShortError):
+                        await conn.execute(*_shutdown_note(app, job))
+                        log.warning("job %s (%s): %s", job.id, job.task, stopped)
+                    break
                 except TimeoutError:
                     exc = JobTimeoutError(f"{job.task} exceeded its timeout")
                 except Exception as failure:
@@ -476,6 +590,7 @@ async def run_transactional_async(
                         await conn.execute(*step)
                 assert step is not None
                 running = None
+                finished += 1
                 if traced is not None:
                     traced.end(_kind(*step), _error(*step))
                     traced = None
@@ -488,7 +603,7 @@ async def run_transactional_async(
         if running is not None:
             await _charge_async(app, conn, running, _lost_reason(exc), rng, clock)
         raise
-    return len(jobs)
+    return finished
 
 
 async def _charge_async(
@@ -528,16 +643,17 @@ def _charge_sync(
 
 
 @contextmanager
-def _watchdog(app: App, job: ClaimedJob, timeout: float | None) -> Iterator[None]:
+def _watchdog(app: App, job: ClaimedJob, timeout: float | None) -> Iterator[threading.Event]:
     """While a sync handler with a timeout runs, a session of its own waits on the job's
     row lock. If the server ends the job's session (the handler stuck past its timeout:
     its thread cannot be stopped), the wait is granted at once, ahead of any claim, and
     the attempt is counted (decision 002). When the job ends normally the wait is
-    cancelled. A handler that never returns thus still uses up its attempts."""
-    if timeout is None:
-        yield
-        return
+    cancelled. A handler that never returns thus still uses up its attempts. Yields the
+    event that ends the watch: a cut at the shutdown deadline sets it before its commit."""
     done = threading.Event()
+    if timeout is None:
+        yield done
+        return
     session: list[psycopg.Connection[Any]] = []
     reason = (
         f"the handler outlived its timeout of {timeout}s and the server ended its "
@@ -566,12 +682,42 @@ def _watchdog(app: App, job: ClaimedJob, timeout: float | None) -> Iterator[None
 
     threading.Thread(target=watch, name=f"skiplock-watch-{job.id}", daemon=True).start()
     try:
-        yield
+        yield done
     finally:
         done.set()
         if session:
             with suppress(Exception):
                 session[0].cancel_safe(timeout=2.0)
+
+
+def _cut_sync(
+    app: App, conn: psycopg.Connection[Any], job: ClaimedJob, watched: threading.Event
+) -> None:
+    """Cut a sync batch's running job short for its thread, which is in the handler and
+    cannot be stopped (BatchStop.cut calls this from another thread): its statement in
+    progress cancelled, the batch committed without the job (BATCH_COMMIT_CUT), and the
+    session closed, so that nothing the handler still sends can commit."""
+    watched.set()  # the watchdog, granted the row at the commit, must not charge it
+    if conn.info.transaction_status == psycopg.pq.TransactionStatus.ACTIVE:
+        with suppress(psycopg.Error):
+            conn.cancel_safe(timeout=2.0)  # the handler's statement in progress ends
+    query = render(complete.BATCH_COMMIT_CUT, app.schema)
+    params = {"id": job.id, "channel": done_channel(app.schema)}
+    try:
+        for _ in range(3):
+            try:
+                psycopg.ClientCursor(conn).execute(query, params)
+                return
+            except psycopg.errors.QueryCanceled:
+                # The cancel meant for the handler's statement came late, and hit this one.
+                if conn.info.transaction_status != psycopg.pq.TransactionStatus.INERROR:
+                    raise
+        raise psycopg.OperationalError("the cut's commit was cancelled three times")
+    except Exception:
+        log.exception("could not commit the batch of a cut-short sync job; it rolls back")
+    finally:
+        with conn.lock:  # not while the handler's thread is inside a statement
+            conn.close()
 
 
 def run_transactional_sync(
@@ -583,11 +729,15 @@ def run_transactional_sync(
     *,
     rng: random.Random,
     clock: Clock = utcnow,
+    stop: BatchStop | None = None,
     on_claimed: Callable[[int], None] = lambda n: None,
     on_finished: Finished = lambda job, kind, seconds, error: None,
 ) -> int:
     """Sync twin of ``run_transactional_async``, run in a worker thread. A task's timeout
-    is enforced by the server (SESSION_LIMIT), for that job only."""
+    is enforced by the server (SESSION_LIMIT), for that job only. A cut cannot stop the
+    thread: the batch is committed for it (_cut_sync), and its connection closed."""
+    stop = stop if stop is not None else BatchStop()
+    finished = 0
     running: ClaimedJob | None = None
     traced: _TracedAttempt | None = None
     try:
@@ -598,7 +748,7 @@ def run_transactional_sync(
             jobs = [claimed_from_row(r) for r in rows]
             on_claimed(len(jobs))
             session_limits: tuple[Any, ...] | None = None
-            for job in jobs:
+            for job in stop.jobs_to_start(jobs):
                 running = job
                 task = app.tasks[job.task]
                 exc: BaseException | None = None
@@ -615,10 +765,30 @@ def run_transactional_sync(
                 try:
                     if job.args_error is not None:
                         raise ArgumentsError(job.args_error)
-                    with _watchdog(app, job, timeout), conn.transaction():
-                        result = task.fn(conn, **job.args)
+                    with (
+                        _watchdog(app, job, timeout) as watched,
+                        conn.transaction(complete.JOB_SAVEPOINT),
+                    ):
+                        commit_for_us = partial(_cut_sync, app, conn, job, watched)
+                        if not stop.entered(job, commit_for_us, len(jobs) - finished):
+                            raise _NotStartedError
+                        try:
+                            result = task.fn(conn, **job.args)
+                        finally:
+                            if stop.left():
+                                # Committed and closed for us (_cut_sync): touch nothing.
+                                raise CutShortError(_CUT_REASON)
                         step = _completion_step(app, job, result)
                         conn.execute(*step)
+                except CutShortError:
+                    raise  # the batch is committed and closed for us
+                except _NotStartedError as unstarted:
+                    set_current_job(None)
+                    running = None
+                    if traced is not None:
+                        traced.abort(unstarted)
+                        traced = None
+                    break
                 except Exception as failure:
                     exc = failure
                 set_current_job(None)
@@ -643,16 +813,24 @@ def run_transactional_sync(
                     )
                 assert step is not None
                 running = None
+                finished += 1
                 if traced is not None:
                     traced.end(_kind(*step), _error(*step))
                     traced = None
                 on_finished(job, _kind(*step), time.perf_counter() - started, _error(*step))
             if jobs:
                 conn.execute(*_done_notify(app))
+    except CutShortError as cut:
+        set_current_job(None)
+        if traced is not None:
+            traced.abort(cut)
+        if running is not None:
+            log.warning("job %s (%s): %s", running.id, running.task, cut)
+        return finished
     except Exception as exc:
         if traced is not None:
             traced.abort(exc)
         if running is not None:
             _charge_sync(app, conn, running, _lost_reason(exc))
         raise
-    return len(jobs)
+    return finished

@@ -2,13 +2,19 @@
 transaction that holds the claim (executor.run_transactional_async / _sync), so a job's
 own writes commit with its outcome. A producer per queue and kind (async handlers on the
 event loop, sync handlers in the thread pool) starts sessions while slots are free.
+
+A worker's stop reaches each session's batch (executor.BatchStop): once asked, no session
+starts another job, and each commits what finished; at the shutdown deadline, ``cut_short``
+cuts the jobs still running short, and their batches commit without them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
+import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,8 +28,12 @@ from skiplock.worker.producer import Producer, Reservation, Slots
 
 log = logging.getLogger("skiplock.worker")
 
-# Starts a session: it sets the future to the number of jobs it claimed, then runs them.
-Start = Callable[[asyncio.Future[int], int], Coroutine[Any, Any, None]]
+# Starts a session: it sets the future to the number of jobs it claimed, then runs them
+# (as far as the BatchStop lets it).
+Start = Callable[[asyncio.Future[int], int, executor.BatchStop], Coroutine[Any, Any, None]]
+# How long cut-short sessions get to commit what finished before they are given up on
+# (and roll back whole): a commit, and a cancel request for a sync handler's statement.
+CUT_SECONDS = 10.0
 
 
 class TransactionalSessions:
@@ -54,6 +64,50 @@ class TransactionalSessions:
         # Sessions running, and those of them in a thread (which cannot be cancelled).
         self.running: set[asyncio.Task[None]] = set()
         self.in_threads: set[asyncio.Task[None]] = set()
+        # Set once the worker is asked to stop; each session's batch reads it.
+        self._stopping = threading.Event()
+        self._batches: dict[asyncio.Task[None], executor.BatchStop] = {}
+
+    def stop(self) -> None:
+        """The worker is asked to stop: no session starts another job (decision 002)."""
+        self._stopping.set()
+
+    async def cut_short(self, timeout: float = CUT_SECONDS) -> int:
+        """The shutdown deadline: every session still running cuts its running job short
+        and commits the jobs finished before it (executor.BatchStop.cut). An async
+        handler is cancelled and its session commits; a sync one's thread cannot be
+        stopped, so its batch is committed for it, from a thread of its own. Sessions not
+        done within ``timeout`` are cancelled (rolling back). Returns how many sessions
+        are left in threads that still run."""
+        self.stop()
+        cuts = [
+            asyncio.ensure_future(self._cut(session, batch))
+            for session, batch in list(self._batches.items())
+            if not session.done()
+        ]
+        if cuts:
+            await asyncio.wait(cuts, timeout=timeout)
+        left_in_threads = 0
+        for session in list(self.running):
+            if not session.done():
+                if session in self.in_threads:
+                    left_in_threads += 1
+                session.cancel()
+        for cut in cuts:
+            cut.cancel()
+        return left_in_threads
+
+    async def _cut(self, session: asyncio.Task[None], batch: executor.BatchStop) -> None:
+        """Until ``session``'s batch is committed: by the session itself (async, or a sync
+        one between jobs), or for it (a sync one in its handler)."""
+        if session in self.in_threads:
+            # Blocking I/O under the batch's lock; in a daemon thread, so that a cut stuck
+            # behind the handler's statement does not hold up the process's exit.
+            if await _in_daemon_thread(batch.cut, f"skiplock-cut-{id(session):x}"):
+                return
+        else:
+            batch.cut()
+        await asyncio.wait({session})
 
     def producer(
         self, queue: str, slots: Slots, wake: asyncio.Event, start: Start, *, in_thread: bool
@@ -70,7 +124,10 @@ class TransactionalSessions:
                     return False
             claimed: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             reservation.keep(1)  # the session gives it back when it ends
-            session = asyncio.create_task(start(claimed, batch))
+            stop = executor.BatchStop(self._stopping)
+            session = asyncio.create_task(start(claimed, batch, stop))
+            self._batches[session] = stop
+            session.add_done_callback(self._forget)
             if gate is not None and reservation.take_permit():
                 session.add_done_callback(lambda _: gate.release())
             self.running.add(session)
@@ -93,10 +150,15 @@ class TransactionalSessions:
             gate=gate,
         )
 
+    def _forget(self, session: asyncio.Task[None]) -> None:
+        self._batches.pop(session, None)
+
     def async_session(
         self, pool: AsyncConnectionPool[Any], queue: str, tasks: list[str], slots: Slots
     ) -> Start:
-        async def session(claimed: asyncio.Future[int], batch: int) -> None:
+        async def session(
+            claimed: asyncio.Future[int], batch: int, stop: executor.BatchStop
+        ) -> None:
             def on_claimed(n: int) -> None:
                 self._on_claimed(queue, n)
                 claimed.set_result(n)
@@ -110,6 +172,7 @@ class TransactionalSessions:
                         tasks,
                         batch,
                         rng=self._rng,
+                        stop=stop,
                         on_claimed=on_claimed,
                         on_finished=self._on_finished,
                     )
@@ -136,7 +199,9 @@ class TransactionalSessions:
     ) -> Start:
         loop = asyncio.get_running_loop()
 
-        def run_in_thread(claimed: asyncio.Future[int], batch: int) -> int:
+        def run_in_thread(
+            claimed: asyncio.Future[int], batch: int, stop: executor.BatchStop
+        ) -> int:
             def on_claimed(n: int) -> None:
                 self._on_claimed(queue, n)
                 loop.call_soon_threadsafe(claimed.set_result, n)
@@ -149,13 +214,16 @@ class TransactionalSessions:
                     tasks,
                     batch,
                     rng=random.Random(),
+                    stop=stop,
                     on_claimed=on_claimed,
                     on_finished=self._on_finished,
                 )
 
-        async def session(claimed: asyncio.Future[int], batch: int) -> None:
+        async def session(
+            claimed: asyncio.Future[int], batch: int, stop: executor.BatchStop
+        ) -> None:
             try:
-                done = await loop.run_in_executor(threads, run_in_thread, claimed, batch)
+                done = await loop.run_in_executor(threads, run_in_thread, claimed, batch, stop)
                 self._on_completed(done)
             except Exception as exc:
                 if not claimed.done():
@@ -166,3 +234,27 @@ class TransactionalSessions:
                 slots.give(1)
 
         return session
+
+
+def _in_daemon_thread(call: Callable[[], bool], name: str) -> asyncio.Future[bool]:
+    """``call`` in a daemon thread; the future gets what it returns (False if it raised)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[bool] = loop.create_future()
+
+    def run() -> None:
+        result = False
+        try:
+            result = call()
+        except Exception:
+            log.exception("%s failed", name)
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(_resolve, done, result)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done
+
+
+def _resolve(future: asyncio.Future[bool], result: bool) -> None:
+    if not future.done():
+        future.set_result(result)
