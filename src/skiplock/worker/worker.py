@@ -484,6 +484,8 @@ class Worker:
             await self._stop.wait()
             log.info("worker %s stopping: waiting for %d running jobs", self.id, slots.busy)
         finally:
+            if self._transactional is not None:
+                self._transactional.stop()  # no batch starts another job (decision 002)
             await supervisor.stop(p.name for p in producers)
             # A claim in flight when its producer was cancelled still delivers its jobs.
             in_flight = [p.pending for p in producers if p.pending and not p.pending.done()]
@@ -759,10 +761,8 @@ class Worker:
                         self.abandoned_threads += 1  # a thread cannot be cancelled
                     del jobs.held[job_id]
                     task.cancel()
-            for session in list(sessions.running):
-                if session in still and session in sessions.in_threads:
-                    self.abandoned_threads += 1
-                session.cancel()
+            # Their running jobs cut short, the batches commit what finished before them.
+            self.abandoned_threads += await sessions.cut_short()
         # Bounded: a write stuck behind a lock must not keep the process from exiting.
         # Whatever is not written here is rescued (liveness, or lease expiry) and re-run.
         deadline = asyncio.get_running_loop().time() + FINAL_WRITES_SECONDS
