@@ -32,7 +32,9 @@ SCHEMA = "skiplock"
 
 @pytest.fixture
 def web(app: skiplock.App) -> Iterator[TestClient]:
-    with TestClient(create_app(app.database_url, app.schema)) as test_client:
+    with TestClient(
+        create_app(app.database_url, app.schema), base_url="http://localhost"
+    ) as test_client:
         yield test_client
 
 
@@ -311,7 +313,9 @@ def test_cron_page_shows_schedules_with_next_fire(app: skiplock.App) -> None:
             "('reports.nightly', now() - interval '3 minutes'), ('gone.task', now())"
         )
         conn.commit()
-    with TestClient(create_app(app.database_url, app.schema, app=app)) as web:
+    with TestClient(
+        create_app(app.database_url, app.schema, app=app), base_url="http://localhost"
+    ) as web:
         html = web.get("/cron").text
 
     row = re.search(r"reports\.nightly</a></td>(.*?)</tr>", html, re.S)
@@ -433,7 +437,9 @@ def test_pause_resume_and_limit_a_queue(
 
 def test_read_only_hides_and_refuses_actions(app: skiplock.App, make_job: JobFactory) -> None:
     dead = make_job(state="dead", queue="emails")
-    with TestClient(create_app(app.database_url, app.schema, read_only=True)) as web:
+    with TestClient(
+        create_app(app.database_url, app.schema, read_only=True), base_url="http://localhost"
+    ) as web:
         for page in ("/", "/jobs", f"/jobs/{dead}"):
             html = web.get(page).text
             assert 'method="post"' not in html, page
@@ -466,7 +472,7 @@ def test_actions_without_the_csrf_token_or_from_another_site_are_refused(
     response = web.post(
         f"/jobs/{dead}/retry",
         data={"csrf": csrf(web), "next": "/"},
-        headers={"Origin": "http://testserver"},
+        headers={"Origin": "http://localhost"},
     )
     assert response.status_code == 200
     assert job_state(app, dead) == "available"
@@ -474,7 +480,9 @@ def test_actions_without_the_csrf_token_or_from_another_site_are_refused(
 
 def test_a_token_guards_every_page_and_action(app: skiplock.App, make_job: JobFactory) -> None:
     dead = make_job(state="dead")
-    with TestClient(create_app(app.database_url, app.schema, token="s3cret-token")) as web:
+    with TestClient(
+        create_app(app.database_url, app.schema, token="s3cret-token"), base_url="http://localhost"
+    ) as web:
         response = web.get("/jobs", follow_redirects=False)
         assert response.status_code == 303
         assert response.headers["location"].startswith("/login?next=")
@@ -519,13 +527,97 @@ def test_a_reachable_address_needs_a_token_or_read_only(
     assert "SKIPLOCK_DASHBOARD_TOKEN" in capsys.readouterr().err
 
 
+def test_a_host_name_it_does_not_serve_is_refused_before_any_handler(
+    app: skiplock.App, make_job: JobFactory
+) -> None:
+    """DNS rebinding: a page of another site points its own name at 127.0.0.1, and the
+    browser, which still thinks it talks to that site, sends its name as Host. Nothing but
+    the refusal is answered to such a request: no page, no action."""
+    dead = make_job(state="dead", args={"card": "4111-secret"})
+    asgi = create_app(app.database_url, app.schema)
+    with TestClient(asgi, base_url="http://rebound.example:8089") as foreign:
+        for path in ("/", "/jobs", f"/jobs/{dead}", "/cron", "/static/dashboard.js"):
+            response = foreign.get(path)
+            assert response.status_code == 403, (path, response.status_code)
+            assert "4111-secret" not in response.text
+            assert "--allowed-host rebound.example" in response.text, response.text
+        token = str(foreign.cookies.get(security.CSRF_COOKIE) or "guess")
+        refused = foreign.post(
+            f"/jobs/{dead}/retry",
+            data={"csrf": token, "next": "/"},
+            cookies={security.CSRF_COOKIE: token},
+            headers={"Origin": "http://rebound.example:8089"},
+        )
+        assert refused.status_code == 403
+    assert job_state(app, dead) == "dead"
+    # The names it serves by default: localhost and IP addresses (a rebinding needs a name).
+    for base in ("http://localhost:8089", "http://127.0.0.1:8089", "http://[::1]:8089"):
+        with TestClient(asgi, base_url=base) as local:
+            assert local.get(f"/jobs/{dead}").status_code == 200, base
+
+
+def test_allowed_hosts_add_names_and_origin_is_checked_against_them(
+    app: skiplock.App, make_job: JobFactory
+) -> None:
+    dead = make_job(state="dead")
+    asgi = create_app(app.database_url, app.schema, allowed_hosts=["queue.example.com"])
+    with TestClient(asgi, base_url="https://queue.example.com") as named:
+        assert named.get("/").status_code == 200
+        assert named.get("/", headers={"Host": "QUEUE.example.com."}).status_code == 200
+        assert named.get("/", headers={"Host": "other.example.com"}).status_code == 403
+    # Behind a reverse proxy that talks to the dashboard on 127.0.0.1 and names the
+    # browser's host in X-Forwarded-Host: the Origin must be one of the allowed hosts too.
+    with TestClient(asgi, base_url="http://127.0.0.1:8089") as proxied:
+        token = csrf(proxied)
+        refused = proxied.post(
+            f"/jobs/{dead}/retry",
+            data={"csrf": token, "next": "/"},
+            headers={"Origin": "https://rebound.example", "X-Forwarded-Host": "rebound.example"},
+        )
+        assert refused.status_code == 403
+        assert "--allowed-host" in refused.text
+        assert job_state(app, dead) == "dead"
+        accepted = proxied.post(
+            f"/jobs/{dead}/retry",
+            data={"csrf": token, "next": "/"},
+            headers={
+                "Origin": "https://queue.example.com",
+                "X-Forwarded-Host": "queue.example.com",
+            },
+        )
+        assert accepted.status_code == 200
+    assert job_state(app, dead) == "available"
+    with pytest.raises(ConfigurationError, match="allowed host"):
+        create_app(app.database_url, app.schema, allowed_hosts=["https://queue.example.com"])
+
+
+def test_the_command_serves_its_host_and_the_allowed_names(
+    app: skiplock.App, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import uvicorn  # noqa: PLC0415
+
+    served: list[Any] = []
+    monkeypatch.setattr(uvicorn, "run", lambda asgi, **_options: served.append(asgi))
+    monkeypatch.setenv(security.ALLOWED_HOSTS_ENV, "ops.example.com, status.example.com")
+    command = ["--database-url", app.database_url, "dashboard", "--allowed-host", "queue.lan"]
+    assert main([*command, "--host", "dash.lan", "--read-only"]) == 0
+    with TestClient(served[0], base_url="http://localhost") as web:
+        for name in ("queue.lan", "ops.example.com", "status.example.com", "dash.lan"):
+            assert web.get("/", headers={"Host": f"{name}:8089"}).status_code == 200, name
+        assert web.get("/", headers={"Host": "other.lan:8089"}).status_code == 403
+
+    monkeypatch.delenv(security.ALLOWED_HOSTS_ENV)
+    assert main([*command, "--allowed-host", "https://queue.lan:8089"]) == 2
+    assert "allowed host 'https://queue.lan:8089' is not a host name" in capsys.readouterr().err
+
+
 def test_arguments_are_escaped_everywhere(app: skiplock.App, make_job: JobFactory) -> None:
     hostile = "<script>window.__pwned=1</script>"
     job_id = make_job(
         task="t", queue="q<b>", args={"html": hostile}, state="dead",
         errors=[{**ERROR, "message": hostile, "traceback": hostile}],
     )  # fmt: skip
-    with TestClient(create_app(app.database_url, app.schema)) as web:
+    with TestClient(create_app(app.database_url, app.schema), base_url="http://localhost") as web:
         for page in ("/", "/jobs", f"/jobs/{job_id}", "/jobs?args=%3Cscript%3E"):
             response = web.get(page)
             assert "<script>window" not in response.text, page
@@ -560,7 +652,7 @@ def test_mounted_under_a_prefix_links_stay_under_it(
 ) -> None:
     dead = make_job(state="dead")
     outer = Starlette(routes=[Mount("/ops/queue", create_app(app.database_url, app.schema))])
-    with TestClient(outer) as web:
+    with TestClient(outer, base_url="http://localhost") as web:
         html = web.get("/ops/queue/").text
         assert 'href="/ops/queue/jobs"' in html
         assert 'href="/ops/queue/static/dashboard.css"' in html
@@ -576,7 +668,9 @@ def test_mounted_under_a_prefix_links_stay_under_it(
 
 
 def test_behind_a_proxy_that_strips_the_root_path(app: skiplock.App) -> None:
-    with TestClient(create_app(app.database_url, app.schema, root_path="/q")) as web:
+    with TestClient(
+        create_app(app.database_url, app.schema, root_path="/q"), base_url="http://localhost"
+    ) as web:
         html = web.get("/jobs").text
         assert 'href="/q/static/dashboard.css"' in html
         assert 'data-refresh="/q/jobs?fragment=1"' in html
@@ -593,7 +687,9 @@ def test_fragment_is_the_live_part_only(web: TestClient, make_job: JobFactory) -
 
 
 def test_an_unmigrated_schema_names_the_command(app: skiplock.App) -> None:
-    with TestClient(create_app(app.database_url, "not_migrated")) as web:
+    with TestClient(
+        create_app(app.database_url, "not_migrated"), base_url="http://localhost"
+    ) as web:
         response = web.get("/")
     assert response.status_code == 503
     assert "skiplock migrate" in response.text
@@ -630,7 +726,7 @@ def test_mounted_in_fastapi(app: skiplock.App, make_job: JobFactory) -> None:
     job_id = make_job(queue="emails")
     api = FastAPI()
     api.mount("/admin/queue", create_app(app.database_url, app.schema, read_only=True))
-    with TestClient(api) as web:
+    with TestClient(api, base_url="http://localhost") as web:
         html = web.get("/admin/queue/jobs").text
         assert f'href="/admin/queue/jobs/{job_id}"' in html
         assert web.get(f"/admin/queue/jobs/{job_id}").status_code == 200

@@ -74,7 +74,9 @@ def test_every_page_reads_the_read_url_and_says_it_is_not_a_replica(
     dead = make_job(state="dead", queue="emails")
     done = add_history(app)
     # The database URL leads nowhere: a page that read it would fail.
-    with TestClient(create_app(NOWHERE, SCHEMA, read_url=app.database_url)) as web_client:
+    with TestClient(
+        create_app(NOWHERE, SCHEMA, read_url=app.database_url), base_url="http://localhost"
+    ) as web_client:
         for path in ("/", "/jobs", f"/jobs/{dead}", f"/jobs/{done}", "/cron", "/jobs?state=dead"):
             response = web_client.get(path)
             assert response.status_code == 200, (path, response.text)
@@ -88,7 +90,9 @@ def test_actions_go_to_the_database_url_never_the_read_url(
     app: skiplock.App, make_job: JobFactory
 ) -> None:
     dead, also_dead = make_job(state="dead", queue="emails"), make_job(state="dead")
-    with TestClient(create_app(app.database_url, SCHEMA, read_url=NOWHERE)) as web_client:
+    with TestClient(
+        create_app(app.database_url, SCHEMA, read_url=NOWHERE), base_url="http://localhost"
+    ) as web_client:
         response = retry(web_client, f"/jobs/{dead}/retry", next=f"/jobs/{dead}")
         assert response.status_code == 303
         assert response.headers["location"] == f"/jobs/{dead}"
@@ -105,7 +109,9 @@ def test_the_page_after_an_action_says_the_replica_shows_it_once_replayed(
     app: skiplock.App, make_job: JobFactory
 ) -> None:
     dead = make_job(state="dead")
-    with TestClient(create_app(app.database_url, SCHEMA, read_url=app.database_url)) as web_client:
+    with TestClient(
+        create_app(app.database_url, SCHEMA, read_url=app.database_url), base_url="http://localhost"
+    ) as web_client:
         page = retry(web_client, f"/jobs/{dead}/retry", next=f"/jobs/{dead}")
         after = web_client.get(page.headers["location"]).text
     notice = re.search(r'<p class="notice" role="status">([^<]*)</p>', after)
@@ -118,7 +124,9 @@ def test_without_a_read_url_pages_say_nothing_of_replicas(
     app: skiplock.App, make_job: JobFactory
 ) -> None:
     dead = make_job(state="dead")
-    with TestClient(create_app(app.database_url, SCHEMA)) as web_client:
+    with TestClient(
+        create_app(app.database_url, SCHEMA), base_url="http://localhost"
+    ) as web_client:
         assert 'id="replica"' not in web_client.get("/").text
         page = retry(web_client, f"/jobs/{dead}/retry")
         assert "replica" not in web_client.get(page.headers["location"]).text
@@ -141,7 +149,9 @@ def test_an_unreachable_read_url_gives_an_error_page_that_names_it(
     app: skiplock.App, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(web, "CONNECTION_WAIT_SECONDS", 1.0)
-    with TestClient(create_app(app.database_url, SCHEMA, read_url=NOWHERE)) as web_client:
+    with TestClient(
+        create_app(app.database_url, SCHEMA, read_url=NOWHERE), base_url="http://localhost"
+    ) as web_client:
         response = web_client.get("/jobs")
     assert response.status_code == 503
     message = re.search(r'<p class="notice bad" id="error">([^<]*)</p>', response.text)
@@ -165,7 +175,7 @@ def test_the_command_reads_from_read_url_or_its_variable(
 
     assert len(served) == 2
     for web_app in served:
-        with TestClient(web_app) as web_client:
+        with TestClient(web_app, base_url="http://localhost") as web_client:
             assert replica_line(web_client.get("/").text) == NOT_A_REPLICA
 
 
@@ -190,7 +200,7 @@ def routed(database_url: str, reports_url: str) -> skiplock.App:
 
 @pytest.fixture
 def web_over_both(routed: skiplock.App) -> Iterator[TestClient]:
-    with TestClient(create_app(app=routed)) as web_client:
+    with TestClient(create_app(app=routed), base_url="http://localhost") as web_client:
         yield web_client
 
 
@@ -302,7 +312,7 @@ def test_the_cron_page_shows_each_databases_schedules(
     @routed.periodic("*/5 * * * *", name="shop.digest", queue="emails")
     def digest() -> None: ...
 
-    with TestClient(create_app(app=routed)) as web_client:
+    with TestClient(create_app(app=routed), base_url="http://localhost") as web_client:
         html = web_client.get("/cron").text
     assert heads(html) == [
         ("0", describe_url(routed.database_url)),
@@ -347,7 +357,7 @@ def test_the_command_serves_every_database_of_the_app_and_refuses_a_read_url(
 
     assert main(["dashboard", "--app", "myapp.tasks:app"]) == 0
     (web_app,) = served
-    with TestClient(web_app) as web_client:
+    with TestClient(web_app, base_url="http://localhost") as web_client:
         assert re.search(r'data-count="available">1<', row(web_client.get("/").text, "reports", 1))
 
     code = main(["--read-url", routed.database_url, "dashboard", "--app", "myapp.tasks:app"])

@@ -48,6 +48,9 @@ SCREENSHOTS = Path(__file__).resolve().parents[2] / "artifacts" / "screenshots"
 EXPECT_MS = 20_000
 
 Page = Any  # playwright.sync_api.Page
+# A name of another site that its DNS points at 127.0.0.1 (DNS rebinding); the browser
+# fixture's resolver maps it so.
+REBOUND = "rebound.example"
 
 
 class DashboardServer:
@@ -82,7 +85,8 @@ def browser() -> Iterator[Any]:
         launched = playwright.chromium.launch(
             executable_path=CHROMIUM if Path(CHROMIUM).exists() else shutil.which("chromium"),
             headless=True,
-            args=["--no-sandbox"],
+            # REBOUND resolves to this machine, as a rebinding site's name would.
+            args=["--no-sandbox", f"--host-resolver-rules=MAP {REBOUND} 127.0.0.1"],
         )
         yield launched
         launched.close()
@@ -317,6 +321,36 @@ def test_an_escaped_script_argument_does_not_execute(
         assert time.monotonic() < deadline, "the page did not refresh"
         page.wait_for_timeout(100)
     assert page.evaluate("window.__pwned") is None
+
+
+def test_a_page_of_another_site_rebound_to_this_machine_reads_nothing(
+    app: skiplock.App, make_job: JobFactory, serve: Serve, page: Page
+) -> None:
+    """The browser reaches the dashboard through a name it does not serve: every page,
+    and every request a script of that page makes to its own origin, is refused; through
+    localhost the same dashboard works."""
+    dead = make_job(task="shop.charge", state="dead", args={"card": "4111-secret"})
+    server = serve()
+    foreign = f"http://{REBOUND}:{server.port}"
+
+    response = page.goto(f"{foreign}/jobs/{dead}")
+    assert response is not None
+    assert response.status == 403
+    expect(page.locator("body")).to_contain_text(f"--allowed-host {REBOUND}")
+    assert "4111-secret" not in page.content()
+    # What the rebinding page's own script would do: read a job, then retry it.
+    read = page.evaluate("path => fetch(path).then(r => r.text())", f"/jobs/{dead}")
+    assert "4111-secret" not in read
+    status = page.evaluate(
+        "path => fetch(path, {method: 'POST'}).then(r => r.status)", f"/jobs/{dead}/retry"
+    )
+    assert status == 403
+    screenshot(page, "rebound-refused")
+    with psycopg.connect(app.database_url) as conn:
+        assert client.get_job(conn, app.schema, dead).state == "dead"
+
+    page.goto(f"http://localhost:{server.port}/jobs/{dead}")
+    expect(page.locator("#args")).to_contain_text("4111-secret")
 
 
 def test_cron_and_dead_pages(app: skiplock.App, make_job: JobFactory, page: Page) -> None:

@@ -71,7 +71,10 @@ def test_the_dashboard_reads_the_standby_says_its_lag_and_acts_on_the_primary(
     dead = make_job(queue="emails", task="shop.charge", state="dead", attempts=3)
     wait_until(lambda: on_standby(standby, dead), 30, 0.05, what="the standby to replay")
 
-    web = TestClient(create_app(primary, SCHEMA, read_url=standby, refresh_seconds=0.3))
+    web = TestClient(
+        create_app(primary, SCHEMA, read_url=standby, refresh_seconds=0.3),
+        base_url="http://localhost",
+    )
     with web:
         # Caught up: every page reads the standby and says it is 0 s behind (waited for:
         # WAL the idle primary writes by itself may be in flight for a moment).

@@ -162,7 +162,7 @@ def page_timings(
     url = resolve_database_url(database_url, fallback_embedded=True)
     with _scratch(url):
         fill(url, history_rows=history_rows, live_jobs=live_jobs)
-        with TestClient(create_app(url, SCHEMA)) as web:
+        with TestClient(create_app(url, SCHEMA), base_url="http://localhost") as web:
             for name, path in pages(history_rows, live_jobs):
                 response = web.get(path)
                 if response.status_code != 200:

@@ -51,6 +51,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the path prefix a reverse proxy serves the dashboard under, e.g. /queue",
     )
     parser.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a host name the dashboard is reached by (repeat for several; also "
+        f"${security.ALLOWED_HOSTS_ENV}, comma-separated): requests for any other name than "
+        "localhost, an IP address or --host are refused (DNS rebinding)",
+    )
+    parser.add_argument(
         "--app",
         default=None,
         metavar="MODULE:APP",
@@ -90,6 +99,12 @@ def run(args: argparse.Namespace) -> int:
         app = None
         database_url = resolve_database_url(args.database_url)
         schema = args.schema or os.environ.get(SCHEMA_ENV) or DEFAULT_SCHEMA
+    # The names it is reached by: --host when it is one (an address needs no listing),
+    # --allowed-host and the environment's.
+    from_env = os.environ.get(security.ALLOWED_HOSTS_ENV, "").replace(",", " ").split()
+    allowed = [*args.allowed_host, *from_env]
+    if not security.is_ip_address(args.host):
+        allowed.append(args.host)
     web = create_app(
         database_url,
         schema,
@@ -98,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         root_path=args.root_path,
         token=token,
         app=app,
+        allowed_hosts=allowed,
     )
     mode = "read-only" if args.read_only else ("token required" if token else "no token")
     log.info(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,6 +30,7 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
@@ -142,8 +143,10 @@ class Dashboard:
         token: str | None,
         app: App | None,
         refresh_seconds: float,
+        allowed_hosts: frozenset[str] = frozenset(),
     ) -> None:
         self.databases = databases
+        self.allowed_hosts = allowed_hosts
         self.schema = validate_schema(schema)
         self.read_only = read_only
         self.token = token or None
@@ -447,12 +450,13 @@ class Pages:
         if self.dashboard.read_only:
             raise ForbiddenError("this dashboard is read-only: actions are turned off")
         self.check_read(request)
-        hosts = [request.headers.get("host"), request.headers.get("x-forwarded-host")]
-        origin = request.headers.get("origin")
-        if not any(security.origin_allowed(origin, host) for host in hosts if host) and (
-            origin is not None
-        ):
-            raise ForbiddenError(f"refused: the request came from another site ({origin})")
+        refusal = security.origin_refusal(
+            request.headers.get("origin"),
+            [request.headers.get("host"), request.headers.get("x-forwarded-host")],
+            self.dashboard.allowed_hosts,
+        )
+        if refusal is not None:
+            raise ForbiddenError(refusal)
         fields = await _form(request)
         if not security.same_token(
             _first(fields, security.CSRF_FIELD), request.cookies.get(security.CSRF_COOKIE)
@@ -833,6 +837,37 @@ class Pages:
         )
 
 
+class _AllowedHosts:
+    """Refuses a request whose Host the dashboard does not serve (security.host_allowed)
+    before any route sees it: a page of another site whose name was pointed at this
+    machine (DNS rebinding) gets the refusal and nothing else."""
+
+    def __init__(self, app: ASGIApp, allowed: frozenset[str]) -> None:
+        self.app = app
+        self.allowed = allowed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        host = Headers(scope=scope).get("host")
+        if security.host_allowed(security.host_name(host), self.allowed):
+            await self.app(scope, receive, send)
+            return
+        message = security.host_refusal(host)
+        client_host = scope["client"][0] if scope.get("client") else "?"
+        log.warning("dashboard refused %s from %s: %s", scope.get("path"), client_host, message)
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        response = PlainTextResponse(
+            message + "\n",
+            status_code=403,
+            headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"},
+        )
+        await response(scope, receive, send)
+
+
 class _RootPath:
     """Serves the app under a fixed root path (behind a proxy that strips the prefix):
     links and redirects then carry the prefix the browser sees."""
@@ -859,6 +894,7 @@ def create_app(
     token: str | None = None,
     app: App | None = None,
     refresh_seconds: float = REFRESH_SECONDS,
+    allowed_hosts: Sequence[str] = (),
 ) -> Starlette:
     """The dashboard as an ASGI app; mount it in a Starlette or FastAPI app under any
     prefix (``Mount("/jobs", create_app(url))``), or serve it with uvicorn.
@@ -870,7 +906,9 @@ def create_app(
     ``app`` (optional) is the skiplock App whose cron schedules the cron page shows with
     their next fire times; an App with ``queue_databases`` makes the dashboard show every
     one of its databases (``database_url`` may then be left out). ``schema`` defaults to
-    the App's, else "skiplock". See docs/dashboard.md.
+    the App's, else "skiplock". ``allowed_hosts`` are the host names the dashboard is
+    reached by besides localhost and IP addresses: a request for any other host is
+    refused (DNS rebinding). See docs/dashboard.md.
     """
     if root_path and (not root_path.startswith("/") or root_path.endswith("/")):
         raise ConfigurationError(
@@ -878,6 +916,7 @@ def create_app(
         )
     if refresh_seconds <= 0:
         raise ConfigurationError(f"refresh_seconds must be positive, got {refresh_seconds}")
+    allowed = security.allowed_hosts(allowed_hosts)
     dashboard = Dashboard(
         dashboard_databases(database_url, read_url=read_url, app=app),
         schema or (app.schema if app is not None else DEFAULT_SCHEMA),
@@ -885,6 +924,7 @@ def create_app(
         token=token,
         app=app,
         refresh_seconds=refresh_seconds,
+        allowed_hosts=allowed,
     )
     pages = Pages(dashboard)
 
@@ -930,4 +970,6 @@ def create_app(
     starlette.state.dashboard = dashboard
     if root_path:
         starlette.add_middleware(_RootPath, root_path=root_path)
+    # Added last, so outermost: before any route, static file or path rewrite.
+    starlette.add_middleware(_AllowedHosts, allowed=allowed)
     return starlette
