@@ -153,7 +153,9 @@ SELECT name, paused, concurrency_limit, rate_limit, rate_period FROM {queues} OR
 
 # Live jobs per queue and state, and the age of the oldest ready one (from when it became
 # due: its retry_at after a failure, including due jobs the promoter has not moved yet).
-# Shared by `skiplock status` (QUEUE_STATS) and the dashboard's overview.
+# Shared by `skiplock status` (QUEUE_STATS) and the dashboard's overview. Ages are
+# differences of epochs, not intervals: a run_at of '-infinity' (a row written by hand)
+# gives an infinite age, where PostgreSQL before 17 cannot subtract it and fails the read.
 LIVE_QUEUE_COUNTS = """
     SELECT queue,
            count(*) FILTER (WHERE state = 'blocked') AS blocked,
@@ -162,9 +164,10 @@ LIVE_QUEUE_COUNTS = """
            count(*) FILTER (WHERE state = 'running') AS running,
            count(*) FILTER (WHERE state = 'retryable') AS retryable,
            count(*) FILTER (WHERE state = 'dead') AS dead,
-           extract(epoch FROM now() - min(greatest(run_at, retry_at)) FILTER (
-               WHERE state IN ('available', 'scheduled', 'retryable')
-                 AND greatest(run_at, retry_at) <= now()))::float8 AS oldest_ready_seconds
+           (extract(epoch FROM now()) - extract(epoch FROM min(greatest(run_at, retry_at))
+               FILTER (WHERE state IN ('available', 'scheduled', 'retryable')
+                         AND greatest(run_at, retry_at) <= now())))::float8
+               AS oldest_ready_seconds
     FROM {jobs}
     GROUP BY queue
 """
@@ -217,7 +220,8 @@ ORDER BY queue
 # Who is working: one row per registered worker process.
 WORKER_LIST = """
 SELECT id, host, pid, queues, concurrency, holds_lock, started_at, service_restarts,
-       extract(epoch FROM now() - last_seen_at)::float8 AS last_seen_seconds,
+       (extract(epoch FROM now()) - extract(epoch FROM last_seen_at))::float8
+           AS last_seen_seconds,
        EXISTS (SELECT 1 FROM {leader} AS l
                WHERE l.worker_id = w.id AND l.expires_at > now()) AS leader
 FROM {workers} AS w
