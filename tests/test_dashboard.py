@@ -11,9 +11,11 @@ import re
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import urlencode
 
 import psycopg
 import pytest
+from markupsafe import escape
 from psycopg import sql
 from psycopg.types.json import Jsonb
 from starlette.applications import Starlette
@@ -28,6 +30,8 @@ from skiplock.dashboard import create_app, reads, security
 from skiplock.errors import ConfigurationError
 
 SCHEMA = "skiplock"
+# The name the tests reach the dashboard by (TestClient's own, "testserver", is refused).
+LOCAL = "http://localhost"
 
 
 @pytest.fixture
@@ -737,3 +741,161 @@ def test_error_pages_do_not_poll(app: skiplock.App, make_job: JobFactory, web: T
     refused = web.post(f"/jobs/{dead}/retry", data={"csrf": "wrong"})
     assert refused.status_code == 403
     assert "data-refresh=" not in refused.text
+
+
+# -- rows written by hand ------------------------------------------------------------------
+
+# Rows the tables' constraints allow but no skiplock code writes, as another program's
+# plain SQL could: odd queue and task names, JSON of any shape where skiplock writes
+# objects and arrays, JSON Python cannot load (too deep, a number too long), timestamps
+# Python cannot hold (infinity, years past 9999 or before 1). Each is a literal INSERT.
+DEEP = "('{\"deep\": ' || repeat('[', 3000) || repeat(']', 3000) || '}')::jsonb"
+LONG_NUMBER = "'{\"n\": 1e5000}'::jsonb"
+ODD_QUEUES = ["a/b", "..", ".", " spaced ", "50%", "q?x=1#top", "ünï/côdé", "<b>q</b>", "q" * 128]
+ODD_JOBS = [
+    "(queue, task) VALUES ('a/b', 'shop/tasks.charge')",
+    "(queue, task, state, errors) VALUES ('..', 'no.type', 'dead', "
+    '\'[{"message": "no type here", "attempt": 1}]\')',
+    "(queue, task, state, errors) VALUES ('.', 'not.objects', 'dead', "
+    '\'["a plain string", 42, null, [1, 2], {"type": null}]\')',
+    "(task, state, retry_at, errors) VALUES ('traceback.not.text', 'retryable', now(), "
+    '\'[{"type": "E", "message": {"nested": true}, "traceback": {"not": "text"}, '
+    '"at": 12345, "attempt": "first"}, {"type": 7, "traceback": ["line one"], '
+    '"at": "99999-01-01T00:00:00"}, {"type": "E", "traceback": 42, "at": "soon"}]\')',
+    "(task, state, errors) VALUES ('errors.object', 'dead', '{\"type\": \"NotAList\"}')",
+    "(task, state, errors) VALUES ('errors.text', 'dead', '\"just text\"')",
+    "(task, state, errors) VALUES ('errors.null', 'dead', 'null')",
+    "(task, state, errors) VALUES ('errors.number', 'dead', '42')",
+    f"(task, args, progress, meta) VALUES ('too.deep', {DEEP}, {DEEP}, {DEEP})",
+    f"(task, args, progress, meta) VALUES ('long.number', {LONG_NUMBER}, {LONG_NUMBER}, '[]')",
+    "(task, progress, meta) VALUES ('odd.progress', '\"halfway\"', '\"text\"')",
+    "(task, progress, meta) VALUES ('null.progress', 'null', 'null')",
+    "(queue, task, state, run_at) VALUES (' spaced ', 'never.due', 'scheduled', 'infinity')",
+    "(queue, task, run_at, created_at) VALUES ('50%', 'always.due', '-infinity', '-infinity')",
+    "(queue, task, created_at, attempted_at) VALUES ('q?x=1#top', 'far.future', "
+    "'294276-12-31 23:59:59+00', 'infinity')",
+    "(queue, task, created_at) VALUES ('ünï/côdé', 'before.year.one', '4713-01-01 00:00:00+00 BC')",
+    "(task, state, retry_at, cancel_requested_at) VALUES ('retry.never', 'retryable', "
+    "'-infinity', 'infinity')",
+    "(task, state, worker_id, lease_expires_at, started_at, attempts, max_attempts) VALUES "
+    "('lease.forever', 'running', gen_random_uuid(), 'infinity', '-infinity', 2147483647, 1)",
+    "(queue, task, priority) VALUES ('<b>q</b>', '<script>alert(1)</script>', -32768)",
+    f"(queue, task, priority) VALUES ('{'q' * 128}', '{'t' * 255}', 32767)",
+    "(task) VALUES ('задача.отправить чек')",
+    "(task) VALUES (E'tab\\there new\\nline ''quote'' \"double\" %s {0}')",
+    "(task, state, ordering_key, key_limit, key_rate, key_period, unique_key) VALUES "
+    "('odd.keys', 'blocked', '/', 32767, 1, 'Infinity', E'key\\nwith a line break')",
+]
+ODD_HISTORY = [
+    "'completed', 'null', '[]', now(), NULL",
+    "'completed', '\"a plain string\"', '[\"not an object\"]', now(), '\"odd\"'",
+    f"'completed', {DEEP}, '[]', now(), {DEEP}",
+    f"'completed', {LONG_NUMBER}, '{{\"type\": \"NotAList\"}}', 'infinity', '[]'",
+    "'cancelled', NULL, '[{\"traceback\": 5, \"message\": null}]', '-infinity', NULL",
+    "'cancelled', '[1, 2]', 'null', '294276-12-31 23:59:59+00', 'null'",
+]
+
+
+def write_odd_rows(conn: psycopg.Connection[Any]) -> dict[int, tuple[str, str]]:
+    """Every odd row above, by plain SQL; job id -> (state, queue)."""
+    made: dict[int, tuple[str, str]] = {}
+    for values in ODD_JOBS:
+        row = conn.execute(
+            f"INSERT INTO {SCHEMA}.jobs {values} RETURNING id, state, queue"
+        ).fetchone()
+        assert row is not None
+        made[row[0]] = (row[1], row[2])
+    for n, values in enumerate(ODD_HISTORY):
+        row = conn.execute(
+            f"INSERT INTO {SCHEMA}.job_history (id, queue, task, args, state, priority, "
+            "attempts, max_attempts, result, errors, created_at, finished_at, progress) "
+            f"SELECT nextval('{SCHEMA}.jobs_id_seq'), 'a/b', 'history.odd.{n}', '{{}}', "
+            f"state, 0, 1, 1, result::jsonb, errors::jsonb, now(), finished_at::timestamptz, "
+            "progress::jsonb FROM (VALUES "
+            f"({values})) AS v(state, result, errors, finished_at, progress) "
+            "RETURNING id, state, queue"
+        ).fetchone()
+        assert row is not None
+        made[row[0]] = (row[1], row[2])
+    conn.execute(
+        f"INSERT INTO {SCHEMA}.workers (id, host, pid, queues, concurrency, started_at, "
+        "last_seen_at, service_restarts) VALUES "
+        "(gen_random_uuid(), 'host/<odd>', -1, ARRAY[NULL, 'a/b', '']::text[], 0, "
+        "'-infinity', 'infinity', '\"odd\"'), "
+        "(gen_random_uuid(), 'host.ancient', 0, '{}', 1, 'infinity', '-infinity', 'null')"
+    )
+    conn.execute(
+        f"INSERT INTO {SCHEMA}.queues (name, paused, concurrency_limit, rate_limit, "
+        "rate_period) VALUES ('a/b', true, 1, 1, 'Infinity'), ('', true, NULL, NULL, NULL), "
+        "('..', false, 2147483647, 2147483647, 1e-300)"
+    )
+    conn.execute(
+        f"INSERT INTO {SCHEMA}.periodic (name, last_tick) VALUES ('odd.far', 'infinity'), "
+        "('odd/ancient', '-infinity'), ('odd.year', '294276-12-31 23:59:59+00')"
+    )
+    conn.commit()
+    return made
+
+
+def test_every_page_shows_rows_written_by_hand(app: skiplock.App) -> None:
+    @app.periodic("* * * * *", name="odd.far")
+    def far() -> None: ...
+
+    with app.connect() as conn:
+        made = write_odd_rows(conn)
+    with TestClient(create_app(app.database_url, app.schema, app=app), base_url=LOCAL) as web:
+
+        def page(path: str) -> str:
+            response = web.get(path)
+            assert response.status_code == 200, (path, response.text[-2000:])
+            return str(response.text)
+
+        for path in ("/", "/?fragment=1"):
+            html = page(path)
+            for queue in [*ODD_QUEUES, ""]:
+                assert f'data-queue="{escape(queue)}"' in html, (path, queue)
+            assert "host/&lt;odd&gt;" in html and "host.ancient" in html
+        for state in reads.STATES:
+            html = page(f"/jobs?state={state}")
+            for job_id, (job_state_, _queue) in made.items():
+                if job_state_ == state:
+                    assert f'data-job="{job_id}"' in html, (state, job_id)
+        for queue in ODD_QUEUES:
+            html = page(f"/jobs?{urlencode({'queue': queue})}")
+            for job_id, (_state, job_queue) in made.items():
+                if job_queue == queue:
+                    assert f'data-job="{job_id}"' in html, (queue, job_id)
+        for job_id in made:
+            assert f"<h1>Job {job_id} " in page(f"/jobs/{job_id}")
+        for path in ("/jobs", "/jobs?error=E", "/jobs?args=deep", "/jobs?from=2000-01-01"):
+            page(path)
+        cron = page("/cron")
+        for name in ("odd.far", "odd/ancient", "odd.year"):
+            assert f">{name}</a>" in cron, name
+
+        # What each shows of itself.
+        ids = {task: job_id for job_id, task in job_tasks(app).items()}
+        no_type = page(f"/jobs/{ids['no.type']}")
+        assert "no type here" in no_type
+        odd_traceback = page(f"/jobs/{ids['traceback.not.text']}")
+        assert "&#34;not&#34;: &#34;text&#34;" in odd_traceback and "line one" in odd_traceback
+        assert "a plain string" in page(f"/jobs/{ids['not.objects']}")
+        assert "NotAList" in page(f"/jobs/{ids['errors.object']}")
+        deep = page(f"/jobs/{ids['too.deep']}")
+        assert deep.count("[[[[[[[[[[") >= 3 * 300, "args, progress and meta as stored"
+        assert '<pre id="meta">&#34;text&#34;</pre>' in page(f"/jobs/{ids['odd.progress']}")
+        assert "00000000" in page(f"/jobs/{ids['long.number']}")
+        assert "infinity" in page(f"/jobs/{ids['never.due']}")
+        assert "294276-12-31" in page(f"/jobs/{ids['far.future']}")
+        assert "BC" in page(f"/jobs/{ids['before.year.one']}")
+        dead = page("/jobs?state=dead")
+        assert "NotAList" in dead
+
+
+def job_tasks(app: skiplock.App) -> dict[int, str]:
+    with app.connect() as conn:
+        rows = conn.execute(
+            f"SELECT id, task FROM {SCHEMA}.jobs "
+            f"UNION ALL SELECT id, task FROM {SCHEMA}.job_history"
+        ).fetchall()
+    return {int(row[0]): str(row[1]) for row in rows}

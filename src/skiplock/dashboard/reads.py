@@ -8,6 +8,8 @@ statements of ``skiplock.sql.dashboard`` and hand the rows to them.
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -16,8 +18,10 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg.rows import dict_row
 
+from skiplock.errors import ConfigurationError
 from skiplock.sql import dashboard as dashboard_sql
 from skiplock.sql import render
+from skiplock.tasks import MAX_QUEUE_NAME, check_name
 
 if TYPE_CHECKING:
     from skiplock.app import App
@@ -108,6 +112,12 @@ def parse_filter(params: Mapping[str, str]) -> JobFilter:
         value = params.get(name, "").strip()
         return value or None
 
+    def name(field: str) -> str | None:
+        # A queue or task name is matched exactly, spaces included: the overview's link
+        # to a queue named " spaced " (written by hand) must find its jobs.
+        value = params.get(field, "")
+        return value if value.strip() else None
+
     state = text("state")
     if state is not None and state not in STATES:
         raise FilterError(f"state={state!r} is not a job state: choose one of {', '.join(STATES)}")
@@ -115,8 +125,8 @@ def parse_filter(params: Mapping[str, str]) -> JobFilter:
     time_to = text("to")
     return JobFilter(
         state=state,
-        queue=text("queue"),
-        task=text("task"),
+        queue=name("queue"),
+        task=name("task"),
         args_text=text("args"),
         error_type=text("error"),
         time_from=_time("from", time_from) if time_from else None,
@@ -200,6 +210,16 @@ _NO_JOBS: dict[str, Any] = dict.fromkeys(
 ) | {"oldest_ready_seconds": None}
 
 
+def _settable(queue: str) -> bool:
+    if queue in (".", ".."):
+        return False
+    try:
+        check_name("queue", queue, MAX_QUEUE_NAME)
+    except ConfigurationError:
+        return False
+    return True
+
+
 def queue_rows(stats: list[dict[str, Any]], settings: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The overview's rows of one database: each queue with jobs or settings, its counts
     and its pause and limits; pure."""
@@ -207,12 +227,17 @@ def queue_rows(stats: list[dict[str, Any]], settings: list[dict[str, Any]]) -> l
     by_name = {row["name"]: row for row in settings}
     rows = []
     for name in sorted(set(by_queue) | set(by_name)):
+        # A queue name skiplock would refuse (written by hand, say with a "/") is shown
+        # without actions: pause and limits take only names check_name accepts, and a
+        # URL path cannot carry "." or "..".
+        settable = _settable(name)
         row: dict[str, Any] = {**_NO_JOBS, "queue": name, **by_queue.get(name, {})}
         setting = by_name.get(name, {})
         row["paused"] = bool(setting.get("paused"))
         row["concurrency_limit"] = setting.get("concurrency_limit")
         row["rate_limit"] = setting.get("rate_limit")
         row["rate_period"] = setting.get("rate_period")
+        row["settable"] = settable
         rows.append(row)
     return rows
 
@@ -293,6 +318,11 @@ def cron_rows(conn: Conn, schema: str, app: App | None, now: datetime) -> list[d
     for name in names:
         entry = app.periodics.get(name) if app else None
         last_tick = stored[name]["last_tick"] if name in stored else None
+        next_fire = None
+        if entry is not None:
+            # A last tick written by hand past year 9999 has no next fire to show.
+            with contextlib.suppress(OverflowError, ValueError):
+                next_fire = entry.schedule.next_after(max(now, last_tick or now))
         rows.append(
             {
                 "name": name,
@@ -300,13 +330,68 @@ def cron_rows(conn: Conn, schema: str, app: App | None, now: datetime) -> list[d
                 "queue": entry.task.options.queue if entry else None,
                 "missed": entry.missed if entry else None,
                 "last_tick": last_tick,
-                "next_fire": entry.schedule.next_after(max(now, last_tick or now))
-                if entry
-                else None,
+                "next_fire": next_fire,
                 "registered": entry is not None,
             }
         )
     return rows
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+def _shown(value: Any) -> str:
+    """A stored field as text: text as it is, anything else as its JSON."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, default=str, ensure_ascii=False)
+    except (RecursionError, ValueError):
+        return "(nested too deep to show)"
+
+
+def error_entries(errors: Any) -> list[dict[str, Any]]:
+    """Each recorded failure as the job page shows it, whatever was stored: skiplock
+    writes a list of objects with attempt, at, type, message and traceback, but a row
+    written by hand may hold any JSON. A missing field shows as "?", a field that is not
+    text as its JSON, an entry that is not an object as its JSON in the message; pure."""
+    if errors is None:
+        return []
+    entries = errors if isinstance(errors, list) else [errors]
+    shown = []
+    for entry in entries:
+        fields = entry if isinstance(entry, dict) else {"message": _shown(entry) or "null"}
+        traceback = fields.get("traceback")
+        shown.append(
+            {
+                "attempt": _shown(fields.get("attempt")) or "?",
+                "at": _shown(fields.get("at")) or "?",
+                "type": _shown(fields.get("type")) or "?",
+                "message": _shown(fields.get("message")),
+                "lines": traceback_lines(
+                    traceback if isinstance(traceback, str) else _pretty_json(traceback)
+                ),
+            }
+        )
+    return shown
+
+
+def _pretty_json(value: Any) -> str | None:
+    if value is None:
+        return None
+    try:
+        return json.dumps(value, indent=2, default=str, ensure_ascii=False)
+    except (RecursionError, ValueError):
+        return "(nested too deep to show)"
+
+
+def last_error_type(errors: Any) -> str:
+    """The class name of the last failure recorded, for the jobs list ("" when none,
+    "?" when the entry names none); pure."""
+    entries = error_entries(errors)
+    return entries[-1]["type"] if entries else ""
 
 
 # -- tracebacks --------------------------------------------------------------------------
@@ -341,18 +426,14 @@ def timeline(job: Mapping[str, Any]) -> list[tuple[datetime, str]]:
     events: list[tuple[datetime, str]] = [(job["created_at"], "enqueued")]
     if job.get("run_at") and job["run_at"] > job["created_at"]:
         events.append((job["run_at"], "due"))
-    for error in job.get("errors") or []:
-        at = error.get("at")
-        if not at:
-            continue
+    for error in error_entries(job.get("errors")):
         try:
-            moment = datetime.fromisoformat(str(at))
+            moment = datetime.fromisoformat(error["at"])
         except ValueError:
-            continue
+            continue  # "?", or text that is not a time: the error still shows below
         if moment.tzinfo is None:
             moment = moment.replace(tzinfo=UTC)
-        kind = error.get("type", "error")
-        events.append((moment, f"attempt {error.get('attempt', '?')} failed: {kind}"))
+        events.append((moment, f"attempt {error['attempt']} failed: {error['type']}"))
     if job.get("attempted_at"):
         events.append((job["attempted_at"], f"attempt {job['attempts']} started"))
     if job.get("retry_at") and job["state"] == "retryable":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -39,7 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from skiplock import client
 from skiplock.config import DEFAULT_SCHEMA, validate_schema
-from skiplock.dashboard import reads, security
+from skiplock.dashboard import reads, security, values
 from skiplock.dashboard.databases import DB_PARAM, Database, dashboard_databases, pick_database
 from skiplock.errors import ConfigurationError, JobNotFoundError
 from skiplock.replica import ReplicaState, replica_state
@@ -98,18 +99,23 @@ def _environment() -> jinja2.Environment:
     environment.filters["seconds"] = _seconds
     environment.filters["pretty"] = _pretty
     environment.filters["compact"] = _compact
+    environment.filters["last_error_type"] = reads.last_error_type
     return environment
 
 
 def _when(value: datetime | None) -> str:
     if value is None:
         return "-"
+    if isinstance(value, values.FarTime):
+        return value.text
     return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def _seconds(value: float | None) -> str:
     if value is None:
         return "-"
+    if not math.isfinite(value):
+        return "∞" if value > 0 else "-∞"
     if value < 120:
         return f"{value:.1f} s"
     if value < 7200:
@@ -118,12 +124,23 @@ def _seconds(value: float | None) -> str:
 
 
 def _pretty(value: Any) -> str:
-    return json.dumps(value, indent=2, sort_keys=True, default=str, ensure_ascii=False)
+    if isinstance(value, values.RawJson):
+        return str(value)
+    try:
+        return json.dumps(value, indent=2, sort_keys=True, default=str, ensure_ascii=False)
+    except (RecursionError, ValueError):
+        return _compact(value, limit=None)
 
 
-def _compact(value: Any, limit: int = 120) -> str:
-    text = json.dumps(value, default=str, ensure_ascii=False)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+def _compact(value: Any, limit: int | None = 120) -> str:
+    if isinstance(value, values.RawJson):
+        text = str(value)
+    else:
+        try:
+            text = json.dumps(value, default=str, ensure_ascii=False)
+        except (RecursionError, ValueError):
+            text = "(nested too deep to show)"
+    return text if limit is None or len(text) <= limit else text[: limit - 1] + "…"
 
 
 class DatabaseUnreachableError(Exception):
@@ -182,6 +199,9 @@ class Dashboard:
                     # Each connection is checked as it leaves the pool: after a restart of
                     # the server (a replica's, say), the next page gets a live one.
                     check=ConnectionPool.check_connection,
+                    # A value Python cannot load (JSON too deep, a timestamp past 9999)
+                    # loads as its text instead of failing the page (values.py).
+                    configure=values.register,
                     # No server-side prepared statements: each statement is planned with
                     # its values (see skiplock.sql.dashboard).
                     kwargs={
@@ -604,10 +624,7 @@ class Pages:
         job, now = await self.read(request, database, work)
         if job is None:
             return self.error(request, 404, self.no_such_job(job_id, database))
-        errors = [
-            {**error, "lines": reads.traceback_lines(error.get("traceback"))}
-            for error in job["errors"]
-        ]
+        errors = reads.error_entries(job["errors"])
         return self.render(
             request,
             "job.html",

@@ -80,19 +80,19 @@ LIMIT %(limit)s
 """
 )
 
-# One job with every column a person may want: its keys and limits too, which the CLI's
-# JOB_GET leaves out.
+# One job with every column a person may want: its keys and limits, and what it carries
+# for skiplock (meta: the enqueuing trace context), which the CLI's JOB_GET leaves out.
 JOB_DETAIL = """
 SELECT id, queue, task, args, state, priority, run_at, retry_at, attempts, max_attempts,
        errors, worker_id, lease_expires_at, created_at, attempted_at, started_at,
        NULL::timestamptz AS finished_at, NULL::jsonb AS result, progress,
        cancel_requested_at, unique_key, unique_queued_key, ordering_key, key_limit,
-       key_rate, key_period, worker_ids
+       key_rate, key_period, worker_ids, meta
 FROM {jobs} WHERE id = %(id)s
 UNION ALL
 SELECT id, queue, task, args, state, priority, NULL, NULL, attempts, max_attempts,
        errors, NULL, NULL, created_at, attempted_at, started_at, finished_at, result,
-       progress, NULL, unique_key, NULL, ordering_key, NULL, NULL, NULL, worker_ids
+       progress, NULL, unique_key, NULL, ordering_key, NULL, NULL, NULL, worker_ids, meta
 FROM {history} WHERE id = %(id)s
 LIMIT 1
 """
@@ -133,8 +133,10 @@ WITH live AS (
 """
     + LIVE_QUEUE_COUNTS
     + """), serving AS (
+    -- A NULL in a worker's queues (a row written by hand) serves no queue.
     SELECT q AS queue, count(*) AS workers
     FROM {workers}, unnest(queues) AS q
+    WHERE q IS NOT NULL
     GROUP BY q
 )
 SELECT queue,

@@ -16,9 +16,12 @@ SELECT pg_is_in_recovery() AS standby,
 
 # admin.WORKER_LIST for a hot standby: the leader table is unlogged, so a standby has none
 # to read (PostgreSQL refuses to open it during recovery) and the leader is unknown there.
+# The age is a difference of epochs, not an interval: an infinite last_seen_at (a row
+# written by hand) gives an infinite age, where PostgreSQL before 17 cannot subtract it.
 WORKER_LIST_ON_STANDBY = """
 SELECT id, host, pid, queues, concurrency, holds_lock, started_at, service_restarts,
-       extract(epoch FROM now() - last_seen_at)::float8 AS last_seen_seconds,
+       (extract(epoch FROM now()) - extract(epoch FROM last_seen_at))::float8
+           AS last_seen_seconds,
        NULL::boolean AS leader
 FROM {workers} AS w
 ORDER BY host, pid
