@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -29,7 +30,7 @@ from skiplock.dashboard import create_app, web
 from skiplock.dashboard.databases import dashboard_databases, pick_database
 from skiplock.dashboard.reads import FilterError
 from skiplock.errors import ConfigurationError
-from skiplock.replica import READ_URL_ENV
+from skiplock.replica import READ_URL_ENV, ReplicaState
 from skiplock.routing import describe_url
 from test_dashboard import add_history, csrf
 from test_routing import scratch_database
@@ -66,6 +67,24 @@ def retry(test_client: TestClient, path: str, **fields: str) -> Any:
 
 
 # -- a read URL ------------------------------------------------------------------------
+
+
+def test_a_replica_that_does_not_stream_says_so_and_as_of_when() -> None:
+    """The words of the pages and of `status --read-url` (the real standby whose primary
+    stopped is tests/failover/test_dashboard_read_url.py)."""
+    last = datetime(2026, 12, 2, 1, 40, 5, tzinfo=UTC)
+    gone = ReplicaState(True, 35.25, streaming=False, last_replay_at=last).describe()
+    assert gone == (
+        "reading from a replica that is not streaming from its primary (no WAL receiver): "
+        "it shows its primary as of 2026-12-02 01:40:05Z, its last replayed commit, "
+        "35.2 s ago, and falls further behind"
+    )
+    waiting = ReplicaState(
+        True, 1.0, streaming=False, receiver_status="waiting", last_replay_at=last
+    )
+    assert "(its WAL receiver is waiting)" in waiting.describe()
+    assert "replayed nothing yet" in ReplicaState(True, None, streaming=False).describe()
+    assert ReplicaState(True, 0.0).describe() == "reading from a replica, 0.0 s behind its primary"
 
 
 def test_every_page_reads_the_read_url_and_says_it_is_not_a_replica(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from datetime import UTC
 from functools import partial
 
 import psycopg
@@ -19,11 +20,13 @@ from starlette.testclient import TestClient
 from chaos.conftest import SCHEMA, wait_until
 from conftest import JobFactory
 from skiplock import client
+from skiplock.cli import main
 from skiplock.dashboard import create_app, security
 from skiplock.dashboard.web import REPLICA_AFTER_CHANGE
 from skiplock.topology import Topology
 
 REPLICA = re.compile(r'<p class="replica standby" id="replica" role="status">([^<]*)</p>')
+ANY_REPLICA = re.compile(r'<p class="replica[^"]*" id="replica" role="status">([^<]*)</p>')
 BEHIND = re.compile(r"reading from a replica, (\d+\.\d) s behind its primary")
 
 
@@ -121,3 +124,54 @@ def test_the_dashboard_reads_the_standby_says_its_lag_and_acts_on_the_primary(
         )
         assert job_ids(web.get("/jobs").text) == {dead, later}
         wait_until(partial(says_no_lag, web, "/"), 30, 0.1, what="the lag to be 0 again")
+
+
+def replica_line(html: str) -> str:
+    line = ANY_REPLICA.search(html)
+    assert line, "the page does not say it reads a replica"
+    return line[1]
+
+
+def has_no_receiver(standby: str) -> bool:
+    with psycopg.connect(standby, autocommit=True) as conn:
+        return conn.execute("SELECT 1 FROM pg_stat_wal_receiver").fetchone() is None
+
+
+@pytest.mark.timeout(180)
+def test_a_standby_that_stopped_streaming_is_said_so_and_since_when(
+    build_cluster: Callable[[bool], Topology],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The primary stops: the standby's WAL receiver is gone, it has replayed all it
+    received, and its data ages from its last replayed commit on. The pages and `status
+    --read-url` say it is not streaming and as of when it shows its primary, not that it
+    is 0 s behind."""
+    cluster = build_cluster(False)
+    primary, standby = cluster.primary.local_url(), cluster.standby.local_url()
+    job = JobFactory(primary, SCHEMA)(queue="emails", task="shop.charge")
+    wait_until(lambda: on_standby(standby, job), 30, 0.05, what="the standby to replay")
+
+    with TestClient(
+        create_app(primary, SCHEMA, read_url=standby), base_url="http://localhost"
+    ) as web:
+        wait_until(partial(says_no_lag, web, "/"), 30, 0.1, what="the page to say 0 s behind")
+        cluster.primary.stop()
+        wait_until(partial(has_no_receiver, standby), 60, 0.1, what="the WAL receiver to go")
+        with psycopg.connect(standby, autocommit=True) as conn:
+            row = conn.execute("SELECT pg_last_xact_replay_timestamp()").fetchone()
+        assert row is not None and row[0] is not None
+        since = row[0].astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+        for path in ("/", "/jobs", f"/jobs/{job}", "/cron", "/?fragment=1"):
+            response = web.get(path)
+            assert response.status_code == 200, path
+            line = replica_line(response.text)
+            assert "not streaming" in line and since in line, (path, line)
+            assert "0.0 s behind" not in line, (path, line)
+        assert job_ids(web.get("/jobs").text) == {job}, "the standby's jobs still show"
+
+    assert (
+        main(["--database-url", primary, "--read-url", standby, "--schema", SCHEMA, "status"]) == 0
+    )
+    said = capsys.readouterr().err
+    assert "not streaming" in said and since in said, said
