@@ -724,6 +724,48 @@ def test_traceback_lines_mark_machinery() -> None:
     assert own[-1] == "PaymentDeclined: card refused"
 
 
+def test_error_entries_show_whatever_was_stored() -> None:
+    assert reads.error_entries(None) == []
+    (entry,) = reads.error_entries([ERROR])
+    assert (entry["attempt"], entry["type"], entry["message"]) == (
+        "1",
+        "PaymentDeclined",
+        "card refused",
+    )
+    assert entry["lines"][-1] == ("PaymentDeclined: card refused", False)
+    odd = reads.error_entries(["text", None, {"traceback": {"a": 1}, "message": 5}])
+    assert [e["message"] for e in odd] == ["text", "null", "5"]
+    assert [e["type"] for e in odd] == ["?", "?", "?"]
+    assert odd[2]["lines"] == [("{", False), ('  "a": 1', False), ("}", False)]
+    assert reads.error_entries({"type": "Alone"})[0]["type"] == "Alone"
+    assert reads.last_error_type([ERROR, {"message": "m"}]) == "?"
+    assert reads.last_error_type(42) == "?" and reads.last_error_type([]) == ""
+
+
+def test_host_names_and_origins() -> None:
+    allowed = security.allowed_hosts(["Queue.Example.com.", "[::1]"])
+    assert allowed == {"queue.example.com", "::1"}
+    assert security.host_name("LOCALHOST:8089") == "localhost"
+    assert security.host_name("[::1]:8089") == "::1"
+    for bad in (None, "", "evil@localhost", "a b", "localhost:port", "[::1", "x/y"):
+        assert security.host_name(bad) is None, bad
+    assert security.host_allowed("10.1.2.3", allowed) and security.host_allowed("localhost", ())
+    assert not security.host_allowed("localhost.evil.example", allowed)
+    assert not security.host_allowed("sub.queue.example.com", allowed)
+    same = ["localhost:8089", None]
+    assert security.origin_refusal(None, same, allowed) is None
+    assert security.origin_refusal("http://localhost:8089", same, allowed) is None
+    assert "another site" in (security.origin_refusal("null", same, allowed) or "")
+    assert "another site" in (security.origin_refusal("http://localhost:3000", same, allowed) or "")
+    refusal = security.origin_refusal("https://evil.example", ["evil.example"], allowed)
+    assert refusal and "--allowed-host evil.example" in refusal
+    for bad in ("https://x.example", "x.example:80", "*.example.com", "a/b", ""):
+        with pytest.raises(ConfigurationError, match="is not a host name"):
+            security.allowed_hosts([bad])
+    with pytest.raises(ConfigurationError, match="list of host names"):
+        security.allowed_hosts("queue.example.com")
+
+
 def test_mounted_in_fastapi(app: skiplock.App, make_job: JobFactory) -> None:
     from fastapi import FastAPI  # noqa: PLC0415
 
