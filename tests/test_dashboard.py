@@ -17,6 +17,7 @@ import psycopg
 import pytest
 from markupsafe import escape
 from psycopg import sql
+from psycopg.pq import Format
 from psycopg.types.json import Jsonb
 from starlette.applications import Starlette
 from starlette.routing import Mount
@@ -26,7 +27,7 @@ import skiplock
 from conftest import JobFactory, StartWorker
 from skiplock import client
 from skiplock.cli import main
-from skiplock.dashboard import create_app, reads, security
+from skiplock.dashboard import create_app, reads, security, values
 from skiplock.errors import ConfigurationError
 
 SCHEMA = "skiplock"
@@ -841,20 +842,20 @@ ODD_HISTORY = [
 def write_odd_rows(conn: psycopg.Connection[Any]) -> dict[int, tuple[str, str]]:
     """Every odd row above, by plain SQL; job id -> (state, queue)."""
     made: dict[int, tuple[str, str]] = {}
-    for values in ODD_JOBS:
+    for columns_and_values in ODD_JOBS:
         row = conn.execute(
-            f"INSERT INTO {SCHEMA}.jobs {values} RETURNING id, state, queue"
+            f"INSERT INTO {SCHEMA}.jobs {columns_and_values} RETURNING id, state, queue"
         ).fetchone()
         assert row is not None
         made[row[0]] = (row[1], row[2])
-    for n, values in enumerate(ODD_HISTORY):
+    for n, history_values in enumerate(ODD_HISTORY):
         row = conn.execute(
             f"INSERT INTO {SCHEMA}.job_history (id, queue, task, args, state, priority, "
             "attempts, max_attempts, result, errors, created_at, finished_at, progress) "
             f"SELECT nextval('{SCHEMA}.jobs_id_seq'), 'a/b', 'history.odd.{n}', '{{}}', "
             f"state, 0, 1, 1, result::jsonb, errors::jsonb, now(), finished_at::timestamptz, "
             "progress::jsonb FROM (VALUES "
-            f"({values})) AS v(state, result, errors, finished_at, progress) "
+            f"({history_values})) AS v(state, result, errors, finished_at, progress) "
             "RETURNING id, state, queue"
         ).fetchone()
         assert row is not None
@@ -932,6 +933,22 @@ def test_every_page_shows_rows_written_by_hand(app: skiplock.App) -> None:
         assert "BC" in page(f"/jobs/{ids['before.year.one']}")
         dead = page("/jobs?state=dead")
         assert "NotAList" in dead
+
+
+def test_tolerant_loaders_last_only_for_the_read_that_needed_them(app: skiplock.App) -> None:
+    """psycopg's own loaders are the fast ones: a read uses them, and only a read that
+    failed on a value is repeated with the tolerant ones (values.read_tolerantly)."""
+    far = "SELECT 'infinity'::timestamptz, ('[' || repeat('[', 3000) || repeat(']', 3001))::jsonb"
+    with app.connect() as conn:
+        oids = [conn.adapters.types[name].oid for name in ("timestamptz", "jsonb", "json")]
+        before = [conn.adapters.get_loader(oid, Format.TEXT) for oid in oids]
+        moment, deep = values.read_tolerantly(conn, lambda c: c.execute(far).fetchone())
+        assert isinstance(moment, values.FarTime) and moment.text == "infinity"
+        assert moment > datetime.now(UTC)
+        assert isinstance(deep, values.RawJson) and deep.startswith("[[[[")
+        assert [conn.adapters.get_loader(oid, Format.TEXT) for oid in oids] == before
+        with pytest.raises(psycopg.DataError):
+            conn.execute(far).fetchone()
 
 
 def job_tasks(app: skiplock.App) -> dict[int, str]:

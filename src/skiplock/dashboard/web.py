@@ -199,9 +199,6 @@ class Dashboard:
                     # Each connection is checked as it leaves the pool: after a restart of
                     # the server (a replica's, say), the next page gets a live one.
                     check=ConnectionPool.check_connection,
-                    # A value Python cannot load (JSON too deep, a timestamp past 9999)
-                    # loads as its text instead of failing the page (values.py).
-                    configure=values.register,
                     # No server-side prepared statements: each statement is planned with
                     # its values (see skiplock.sql.dashboard).
                     kwargs={
@@ -244,14 +241,16 @@ class Dashboard:
     ) -> tuple[T, ReplicaState | None]:
         """``work`` on the connection every page reads (the replica's, when given), and
         how far behind that replica is."""
+        # A value Python cannot load (JSON too deep, a timestamp past 9999) is read again
+        # as its text instead of failing the page (values.py).
         if database.read_url is None:
             what = f"the database {database.label}"
             with self._connection(database.url, read_only=False, what=what) as conn:
-                return work(conn), None
+                return values.read_tolerantly(conn, work), None
         what = f"the read URL (the replica) {describe_url(database.read_url)}"
         with self._connection(database.read_url, read_only=True, what=what) as conn:
             state = replica_state(conn)
-            return work(conn), state
+            return values.read_tolerantly(conn, work), state
 
     def change(self, database: Database, work: Callable[[psycopg.Connection[Any]], T]) -> T:
         """``work`` in one transaction on the primary, as the CLI runs its changes."""
