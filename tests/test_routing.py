@@ -424,3 +424,70 @@ def test_the_worker_command_serves_both_databases_and_status_shows_both(
         ]
     )
     assert len({w["pid"] for w in workers}) == 1
+
+
+# -- one database under two URLs ---------------------------------------------------------
+
+YEARLY = "0 0 1 1 *"  # only the tick made due below can come due during a test
+
+
+def spelled_twice(database_url: str) -> skiplock.App:
+    """An App whose routing table names its own database again, under another URL: two
+    Workers on one database (one leader), each database's share of the schedules."""
+    clean_tables(database_url)
+    other = make_conninfo(database_url, application_name="skiplock-another-spelling")
+    app = skiplock.App(database_url, schema=SCHEMA, queue_databases={"reports": other})
+
+    @app.periodic(YEARLY, queue="reports", name="routing.yearly_report")
+    def yearly_report() -> None: ...
+
+    @app.periodic(YEARLY, name="routing.yearly_cleanup")
+    def yearly_cleanup() -> None: ...
+
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {} (name, last_tick) SELECT name, "
+                "date_trunc('year', now()) - interval '1 year' FROM unnest(%s::text[]) AS name"
+            ).format(sql.Identifier(SCHEMA, "periodic")),
+            (list(app.periodics),),
+        )
+    return app
+
+
+def jobs_of(url: str, task: str) -> int:
+    """Jobs of ``task`` on ``url``'s database, live or finished."""
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            sql.SQL(
+                "SELECT (SELECT count(*) FROM {} WHERE task = %(task)s) "
+                "+ (SELECT count(*) FROM {} WHERE task = %(task)s)"
+            ).format(sql.Identifier(SCHEMA, "jobs"), sql.Identifier(SCHEMA, "job_history")),
+            {"task": task},
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.mark.parametrize("queues", [["default", "reports"], ["default"], ["reports"]])
+def test_one_database_under_two_urls_ticks_every_schedule_once(
+    database_url: str, queues: list[str]
+) -> None:
+    """Whichever of the two Workers leads, and whichever queues the process serves,
+    every schedule whose queue lives on that database ticks, once."""
+    app = spelled_twice(database_url)
+    worker = RoutedWorker(app, queues=queues, poll_interval=0.05, rescue_interval=0.05)
+    running = RoutedThread(worker).start()
+    try:
+        wait_until(
+            lambda: all(jobs_of(database_url, name) for name in app.periodics),
+            20,
+            "every schedule to tick",
+        )
+    finally:
+        running.stop()
+
+    assert {name: jobs_of(database_url, name) for name in app.periodics} == {
+        "routing.yearly_report": 1,
+        "routing.yearly_cleanup": 1,
+    }

@@ -19,7 +19,8 @@ from skiplock.errors import ConfigurationError, EnqueueError
 from skiplock.sql.routing import DATABASE_IDENTITY
 from skiplock.tasks import MAX_QUEUE_NAME, check_name
 
-# (cluster system identifier, database name): equal means the same database.
+# (cluster system identifier, database oid), as the server says: equal means the same
+# database, however the URLs that reached it are spelled.
 Identity = tuple[str, str]
 
 _connection_identities: weakref.WeakKeyDictionary[Any, Identity] = weakref.WeakKeyDictionary()
@@ -135,6 +136,19 @@ def url_identity(url: str) -> Identity:
         return connection_identity(conn)
 
 
-async def url_identity_async(url: str) -> Identity:
-    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+async def url_identity_async(url: str, **kwargs: Any) -> Identity:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True, **kwargs) as conn:
         return await connection_identity_async(conn)
+
+
+def same_database_urls(identities: Mapping[str, Identity | None]) -> dict[str, list[str]]:
+    """URL -> every URL of ``identities`` that reaches the same database (itself included),
+    by identity; a URL whose identity is unknown (None) is only itself. Pure."""
+    return {
+        url: [
+            other
+            for other, known in identities.items()
+            if other == url or (identity is not None and known == identity)
+        ]
+        for url, identity in identities.items()
+    }

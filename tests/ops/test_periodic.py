@@ -283,11 +283,9 @@ def test_every_schedule_advances_on_its_own(ops: Ops) -> None:
     assert last_tick(ops, "hourly") == datetime(2025, 6, 1, 13, tzinfo=UTC)
 
 
-def test_the_elected_leader_enqueues_due_ticks_once_for_all_workers(
-    ops: Ops, run_worker: StartWorker
-) -> None:
+def test_workers_of_one_app_enqueue_a_due_tick_once(ops: Ops, run_worker: StartWorker) -> None:
     """Two workers; the periodic row says a tick came due a minute ago (as after a
-    restart). The leader enqueues it on the database's clock and a worker runs it."""
+    restart). Both try to enqueue it, on the database's clock; one job runs it."""
     app = skiplock.App(ops.url, schema=ops.schema)
     ticks: list[datetime] = []
 
@@ -307,3 +305,63 @@ def test_the_elected_leader_enqueues_due_ticks_once_for_all_workers(
     assert ticks, "the job ran"
     assert len(set(ticks)) == len(ticks)  # one job per tick, whichever worker ran it
     assert all(tick.second == 0 for tick in ticks)
+
+
+# -- schedules of every App sharing the schema -------------------------------------------
+
+# Yearly: the tick made due below is the only one a test can see, so exactly once means
+# exactly one job.
+YEARLY = "0 0 1 1 *"
+
+
+def service_app(
+    ops: Ops, service: str, runs: list[str], url: str | None = None, queue: str | None = None
+) -> skiplock.App:
+    """One service of several sharing the schema, with a schedule of its own on a queue
+    of its own (a worker runs only the tasks its App knows)."""
+    app = skiplock.App(url or ops.url, schema=ops.schema)
+
+    @app.periodic(YEARLY, name=f"{service}.yearly", queue=queue or service)
+    def yearly() -> None:
+        runs.append(service)
+
+    return app
+
+
+def tick_due_now(ops: Ops, *names: str) -> None:
+    """The schedules' rows say their last tick was the year before last (as after a long
+    stop): this year's tick is due, once."""
+    for name in names:
+        ops.rows(
+            "INSERT INTO {periodic} (name, last_tick) "
+            "VALUES (%s, date_trunc('year', now()) - interval '1 year')",
+            (name,),
+        )
+
+
+def jobs_of(ops: Ops, task: str) -> int:
+    """Jobs of ``task``, live or finished."""
+    return ops.count("jobs", "task = %s", (task,)) + ops.count("history", "task = %s", (task,))
+
+
+def test_the_schedules_of_two_services_sharing_the_schema_both_tick_once(
+    ops: Ops, run_worker: StartWorker
+) -> None:
+    """Two services, each with its own schedule and two workers, one database and
+    schema: whichever worker leads, both schedules tick, each tick enqueued once."""
+    runs: list[str] = []
+    services = ("billing", "mailer")
+    tick_due_now(ops, *(f"{service}.yearly" for service in services))
+    for service in services:
+        app = service_app(ops, service, runs)
+        run_worker(app, queues=[service])
+        run_worker(app, queues=[service])
+
+    wait_until(
+        lambda: set(runs) == set(services), timeout=20, what="both services' schedules to tick"
+    )
+
+    for service in services:
+        assert jobs_of(ops, f"{service}.yearly") == 1
+        assert runs.count(service) == 1
+        assert last_tick(ops, f"{service}.yearly") == ops.scalar("SELECT date_trunc('year', now())")

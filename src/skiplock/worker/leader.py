@@ -1,8 +1,10 @@
 """The duties done once for the whole fleet, by the elected leader, each a service.
 
-Election decides who leads; rescue, admission, cron and history act only while this
-worker leads. Promotion and the cursor probe run on every worker: promotion makes this
-worker's retries due on time, the probe serves this worker's own claim cursors.
+Election decides who leads; rescue, admission and history act only while this worker
+leads. Promotion, cron and the cursor probe run on every worker: promotion makes this
+worker's retries due on time, cron enqueues the ticks of this worker's own schedules
+(decision 021: other services sharing the schema have schedules of their own), the probe
+serves this worker's own claim cursors.
 
 Every statement here runs on the maintenance pool, whose connections bound each
 statement (timeouts.MAINTENANCE): a user's transaction holding a row or a key one of them
@@ -26,7 +28,7 @@ from skiplock import admission, history
 from skiplock.config import notify_channel
 from skiplock.cursor import ClaimCursor
 from skiplock.leadership import Leadership
-from skiplock.periodic import enqueue_due
+from skiplock.periodic import tick_due
 from skiplock.sql import claim, maintenance, render
 from skiplock.waiting import wait_event
 from skiplock.worker.supervisor import PeriodicService, describe
@@ -175,21 +177,37 @@ class Rescue(LeaderService):
             log.warning("rescued %d jobs of dead workers or expired leases", rescued)
 
 
-class Cron(LeaderService):
-    """Enqueue the periodic tasks' due ticks (periodic.enqueue_due)."""
+class Cron(PeriodicService):
+    """Enqueue the due ticks of this worker's own periodic tasks (periodic.tick_due), on
+    every worker, leader or not: a schedule ticks while any live worker that defines it
+    runs, each tick once (decision 021). A pass sleeps until the next tick comes due, at
+    most RECHECK_SECONDS (a row an operator deleted to restart a schedule is seen again
+    by then); a pass the database ended is tried again ``tick`` seconds later."""
 
     name = "cron"
+    log = log
+    RECHECK_SECONDS = 10.0
 
-    def __init__(self, pool: Pool, app: App, leadership: Leadership, *, tick: float) -> None:
-        super().__init__(leadership, tick)
+    def __init__(self, pool: Pool, app: App, *, tick: float) -> None:
         self._pool = pool
         self._app = app
+        self._tick = tick
+        self._sleep_for = tick
 
     async def run_once(self) -> None:
-        if not self._app.periodics or not self.leading():
+        self._sleep_for = self._tick  # a pass the database ends is tried again soon
+        if not self._app.periodics:
+            self._sleep_for = self.RECHECK_SECONDS
             return
         async with self._pool.connection() as conn:
-            await enqueue_due(conn, self._app)
+            done = await tick_due(conn, self._app)
+        until = done.seconds_to_next_tick
+        if until is not None:
+            # Just after the tick: the database's clock decides when it is due.
+            self._sleep_for = min(max(until + 0.001, 0.001), self.RECHECK_SECONDS)
+
+    async def pause(self) -> None:
+        await asyncio.sleep(self._sleep_for)
 
 
 class History(LeaderService):

@@ -425,7 +425,7 @@ class Worker:
                 on_elected=elected,
             ),
             rescue,
-            Cron(maintenance_pool, self.app, self.leadership, tick=tick),
+            Cron(maintenance_pool, self.app, tick=tick),
             History(
                 connections.dedicated_url,
                 schema,
