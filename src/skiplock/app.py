@@ -123,10 +123,10 @@ class App:
         **options: Any,
     ) -> Callable[[Callable[..., R]], Task[R]]:
         """Register a handler and enqueue it on a cron schedule, once per tick across all
-        workers (the elected leader enqueues). ``args`` are fixed arguments; ``missed``
-        says what to do with ticks missed while no worker ran: ``latest`` (enqueue the
-        most recent), ``all`` (each, at most 100) or ``skip``. Other options are the
-        task's. A bad expression fails here, at definition time."""
+        workers (every worker of this App tries; decision 021). ``args`` are fixed
+        arguments; ``missed`` says what to do with ticks missed while no worker ran:
+        ``latest`` (enqueue the most recent), ``all`` (each, at most 100) or ``skip``.
+        Other options are the task's. A bad expression fails here, at definition time."""
         schedule = parse_cron(cron, timezone)
         if missed not in MISSED_POLICIES:
             raise ConfigurationError(
@@ -174,8 +174,8 @@ class App:
     def for_database(self, url: str) -> App:
         """This App bound to one of its databases alone, for a worker or a command that
         serves that database: the same tasks (shared), schema and tracing, no routes,
-        and the periodic tasks whose queue lives there (so each database's leader
-        enqueues its own ticks)."""
+        and the periodic tasks whose queue lives there (so each database's workers
+        enqueue its own ticks)."""
         if url not in self.databases():
             raise ConfigurationError(f"{routing.describe_url(url)} is not a database of this App")
         bound = App(url, schema=self.schema)
