@@ -42,6 +42,10 @@ _FIELDS: tuple[tuple[str, int, int, dict[str, int]], ...] = (
 # How far ahead to look before concluding a schedule never fires (e.g. 30 February). Nine
 # years: after 29 February 2096 the next is in 2104 (2100 is not a leap year).
 _HORIZON_DAYS = 366 * 9
+_MINUTE = timedelta(minutes=1)
+_HOUR = timedelta(hours=1)
+# Longer than any clock change back (two hours, in Antarctica/Troll and in history).
+_LONGEST_REPEAT = timedelta(hours=3)
 
 
 def _value(text: str, name: str, low: int, high: int, names: dict[str, int]) -> int:
@@ -127,23 +131,43 @@ class CronSchedule:
         return first
 
     def _repeated_between(self, moment: datetime, until: datetime) -> datetime | None:
-        """The first matching minute in the second pass of a repeated local hour, after
-        ``moment`` and before ``until``; None when there is none."""
+        """The first matching minute in the second pass of a repeated local time (clocks
+        going back), after ``moment`` and before ``until``; None when there is none.
+
+        The repeated span is found where the UTC offset drops, to the minute: it need not
+        start on a UTC hour (Adelaide, Newfoundland) nor last an hour (Lord Howe Island).
+        """
         hour = moment.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+        hour -= _LONGEST_REPEAT  # a span that began before ``moment`` may still run on
         while hour < until:
-            if hour.astimezone(self.tz).fold == 1:
-                for minute in sorted(self.minutes):
-                    candidate = hour + timedelta(minutes=minute)
-                    local = candidate.astimezone(self.tz)
-                    if (
-                        moment < candidate < until
-                        and local.fold == 1
-                        and local.month in self.months
-                        and self._day_matches(local)
-                        and local.minute in self.minutes
-                    ):
-                        return candidate
-            hour += timedelta(hours=1)
+            before = hour.astimezone(self.tz).utcoffset()
+            after = (hour + _HOUR).astimezone(self.tz).utcoffset()
+            if before is not None and after is not None and after < before:
+                change = hour + _MINUTE
+                while change.astimezone(self.tz).utcoffset() == before:
+                    change += _MINUTE
+                found = self._first_in_span(change, change + (before - after), moment, until)
+                if found is not None:
+                    return found
+            hour += _HOUR
+        return None
+
+    def _first_in_span(
+        self, start: datetime, end: datetime, moment: datetime, until: datetime
+    ) -> datetime | None:
+        """The first minute in [start, end) on the schedule, after ``moment`` and before
+        ``until``: the local times of that span are the second pass (fold 1)."""
+        candidate = max(start, moment.replace(second=0, microsecond=0) + _MINUTE)
+        while candidate < min(end, until):
+            local = candidate.astimezone(self.tz)
+            if (
+                local.minute in self.minutes
+                and local.hour in self.hours
+                and local.month in self.months
+                and self._day_matches(local)
+            ):
+                return candidate
+            candidate += _MINUTE
         return None
 
     def _next_local(self, moment: datetime) -> datetime:

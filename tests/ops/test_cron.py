@@ -287,6 +287,28 @@ def test_fall_back_hourly_keeps_firing_every_real_hour() -> None:
     ]
 
 
+def test_fall_back_hourly_where_the_repeated_hour_starts_at_half_past_in_utc() -> None:
+    # Adelaide and Newfoundland keep half-hour offsets. Newfoundland (-02:30 in summer,
+    # -03:30 in winter): on 2 November 2025 local time goes back from 02:00 to 01:00 at
+    # 04:30 UTC, so 01:00 happens twice, half an hour off the UTC hour.
+    assert fires("0 * * * *", utc(2025, 11, 2, 2), 4, "America/St_Johns") == [
+        utc(2025, 11, 2, 2, 30),  # 00:00 summer time
+        utc(2025, 11, 2, 3, 30),  # 01:00 summer time
+        utc(2025, 11, 2, 4, 30),  # 01:00 winter time, the repeated hour
+        utc(2025, 11, 2, 5, 30),  # 02:00 winter time
+    ]
+
+
+def test_fall_back_by_half_an_hour_repeats_the_half_hour() -> None:
+    # Lord Howe Island (+11:00 in summer, +10:30 in winter): on 6 April 2025 local time goes
+    # back from 02:00 to 01:30 at 15:00 UTC; 01:30 to 01:59 happen twice.
+    assert fires("30 * * * *", utc(2025, 4, 5, 14), 3, "Australia/Lord_Howe") == [
+        utc(2025, 4, 5, 14, 30),  # 01:30 summer time
+        utc(2025, 4, 5, 15, 0),  # 01:30 winter time, the repeated half hour
+        utc(2025, 4, 5, 16, 0),  # 02:30 winter time
+    ]
+
+
 def test_a_weekly_schedule_keeps_its_local_time_across_the_change() -> None:
     # Mondays 09:00 Berlin: 07:00 UTC in summer, 08:00 UTC in winter.
     assert fires("0 9 * * mon", utc(2026, 10, 19), 2, BERLIN) == [
@@ -377,6 +399,68 @@ def test_next_after_is_the_first_fire_time_after_the_moment(
     while minute < found:
         assert not fields.fires_at(minute.astimezone(zone)), minute
         minute += timedelta(minutes=1)
+
+
+# Zones whose clocks go back by an hour on the UTC hour, half an hour off it, by half an
+# hour, at local midnight, or in the southern hemisphere.
+DST_ZONES = [
+    "Europe/Berlin",
+    "America/New_York",
+    "America/St_Johns",
+    "Australia/Lord_Howe",
+    "Pacific/Chatham",
+    "America/Havana",
+    "America/Santiago",
+    "Australia/Adelaide",
+]
+
+
+def _clocks_going_back(zone: ZoneInfo, year: int) -> list[datetime]:
+    """The UTC hours in ``year`` during which ``zone``'s clocks go back."""
+    hour, end, found = utc(year, 1, 1), utc(year + 1, 1, 1), []
+    while hour < end:
+        before = hour.astimezone(zone).utcoffset()
+        after = (hour + timedelta(hours=1)).astimezone(zone).utcoffset()
+        if before is not None and after is not None and after < before:
+            found.append(hour)
+        hour += timedelta(hours=1)
+    return found
+
+
+CLOCKS_GO_BACK = {
+    name: [c for year in (2025, 2026) for c in _clocks_going_back(ZoneInfo(name), year)]
+    for name in DST_ZONES
+}
+
+
+@st.composite
+def moments_near_clocks_going_back(draw: st.DrawFn) -> tuple[str, datetime]:
+    name = draw(st.sampled_from(DST_ZONES))
+    change = draw(st.sampled_from(CLOCKS_GO_BACK[name]))
+    offset = draw(st.integers(-4 * 3600, 4 * 3600))
+    return name, change + timedelta(seconds=offset)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    minutes=st.sets(st.integers(0, 59), min_size=1, max_size=4),
+    where=moments_near_clocks_going_back(),
+)
+def test_with_every_hour_each_real_minute_on_the_schedule_fires_when_clocks_go_back(
+    minutes: set[int], where: tuple[str, datetime]
+) -> None:
+    """With ``*`` hours every real minute whose local time is on the schedule fires,
+    the repeated hour (or half hour) when clocks go back too: the oracle walks real
+    minutes, reading the local time of each."""
+    name, moment = where
+    zone = ZoneInfo(name)
+
+    found = parse_cron(f"{_listed(minutes)} * * * *", name).next_after(moment)
+
+    minute = moment.replace(second=0, microsecond=0) + timedelta(minutes=1)
+    while minute.astimezone(zone).minute not in minutes:
+        minute += timedelta(minutes=1)
+    assert found == minute, (name, moment, found.astimezone(zone), minute.astimezone(zone))
 
 
 @settings(max_examples=60, deadline=None)
