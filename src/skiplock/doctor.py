@@ -91,16 +91,24 @@ def check_autovacuum(conn: Conn, schema: str, limits: Limits) -> list[Finding]:
 
 def check_horizon(conn: Conn, schema: str, limits: Limits) -> list[Finding]:
     found = []
-    row = conn.execute(q.DOCTOR_OLDEST_XMIN).fetchone()
-    if row is not None and row[4] is not None and row[4] > limits.long_transaction_seconds:
-        pid, user, app, state, seconds, age, query = row
+    row = conn.execute(q.DOCTOR_OLDEST_XMIN, {"limit": limits.long_transaction_seconds}).fetchone()
+    if row is not None and row[4] is not None:
+        pid, user, app, state, seconds, age, query, wrote, has_snapshot = row
+        # A session idle in its transaction after a write holds its xid, not a snapshot.
+        holds = (
+            f"has held a snapshot for {seconds:.0f}s (xmin age {age})"
+            if has_snapshot
+            else f"wrote in a transaction open for {seconds:.0f}s and holds its transaction "
+            f"id with no snapshot (xid age {age})"
+        )
+        if wrote and has_snapshot:
+            holds += ", and has written"
         found.append(
             Finding(
                 "oldest transaction",
                 "warn",
-                f"pid {pid} ({user}, {app or 'no application_name'}, {state}) has held a "
-                f"snapshot for {seconds:.0f}s (xmin age {age}): VACUUM cannot clean up "
-                f"behind it. Last query: {query!r}",
+                f"pid {pid} ({user}, {app or 'no application_name'}, {state}) {holds}: "
+                f"VACUUM cannot clean up behind it. Last query: {query!r}",
                 f"end it if it is stuck: SELECT pg_terminate_backend({pid})",
             )
         )

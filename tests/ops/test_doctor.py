@@ -9,6 +9,7 @@ expected exactly when ``SHOW autovacuum`` says off.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -218,6 +219,61 @@ def test_a_long_transaction_idle_after_a_write(ops: Ops) -> None:
             f"end it if it is stuck: SELECT pg_terminate_backend({pid})"
         ]
         forgotten.rollback()
+
+
+def test_a_session_that_wrote_and_sits_idle_while_other_sessions_are_busy(ops: Ops) -> None:
+    """A session that wrote a row and sits idle in its transaction holds an xid and no
+    snapshot. Every snapshot taken while it is open starts at that xid, so busy sessions
+    (a worker's claims, here two long statements) tie with it on the horizon: the doctor
+    must still name the writer, and say what it holds."""
+    with (
+        ops.connect() as busy_1,
+        ops.connect() as busy_2,
+        ops.connect(autocommit=False) as writer,
+    ):
+        writer.execute(
+            sql.SQL("INSERT INTO {} (task) VALUES ('written, never committed')").format(
+                ops.table("jobs")
+            )
+        )
+        pid = backend_pid(writer)
+        busy = [
+            threading.Thread(target=conn.execute, args=("SELECT pg_sleep(4)",), daemon=True)
+            for conn in (busy_1, busy_2)
+        ]
+        wait_until(
+            lambda: ops.scalar(
+                "SELECT now() - xact_start > interval '1.5 seconds' "
+                "FROM pg_stat_activity WHERE pid = %s",
+                (pid,),
+            ),
+            what="the writer's transaction to be older than the limit",
+        )
+        for thread in busy:
+            thread.start()
+        wait_until(
+            lambda: (
+                ops.scalar(
+                    "SELECT count(*) FROM pg_stat_activity "
+                    "WHERE pid = ANY(%s) AND state = 'active' AND backend_xmin IS NOT NULL",
+                    ([backend_pid(busy_1), backend_pid(busy_2)],),
+                )
+                == 2
+            ),
+            what="the busy sessions to hold snapshots",
+        )
+
+        found = of(findings(ops, Limits(long_transaction_seconds=1.0)), "oldest transaction")
+
+        warned = [f for f in found if f.level == "warn" and f"pid {pid} " in f.message]
+        assert [f.fix for f in warned] == [
+            f"end it if it is stuck: SELECT pg_terminate_backend({pid})"
+        ], found
+        assert "idle in transaction" in warned[0].message
+        assert "wrote" in warned[0].message and "no snapshot" in warned[0].message
+        writer.rollback()
+        for thread in busy:
+            thread.join(10)
 
 
 def test_a_long_transactional_job(ops: Ops) -> None:

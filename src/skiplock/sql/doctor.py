@@ -18,17 +18,23 @@ DOCTOR_AUTOVACUUM = """
 SELECT current_setting('autovacuum')
 """
 
-# The session holding back VACUUM the longest in this database: by its snapshot (xmin),
-# or by its own transaction id (a forgotten BEGIN after a write has one and no snapshot).
+# The session holding back VACUUM the longest in this database, among transactions open
+# longer than the limit: by its snapshot (xmin), or by its own transaction id (a session
+# that wrote and sat idle in its transaction has one and no snapshot). Every snapshot
+# taken while such a writer is open starts at its xid, so busy sessions tie with it on
+# the horizon: the session whose own xid it is comes first, then the oldest transaction.
 DOCTOR_OLDEST_XMIN = """
 SELECT pid, usename, application_name, state,
        extract(epoch FROM now() - xact_start)::float8 AS xact_seconds,
-       greatest(age(backend_xmin), age(backend_xid)) AS xmin_age, left(query, 120) AS query
+       greatest(age(backend_xmin), age(backend_xid)) AS xmin_age, left(query, 120) AS query,
+       backend_xid IS NOT NULL AS wrote, backend_xmin IS NOT NULL AS has_snapshot
 FROM pg_stat_activity
 WHERE (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)
   AND pid <> pg_backend_pid() AND xact_start IS NOT NULL
+  AND xact_start < now() - %(limit)s * interval '1 second'
   AND datname = current_database()
-ORDER BY greatest(age(backend_xmin), age(backend_xid)) DESC
+ORDER BY greatest(age(backend_xmin), age(backend_xid)) DESC,
+         age(backend_xid) DESC NULLS LAST, xact_start
 LIMIT 1
 """
 
