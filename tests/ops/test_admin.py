@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import psycopg
 import pytest
 
 import skiplock
@@ -90,6 +91,48 @@ def test_retrying_a_scheduled_job_makes_it_claimable_now(ops: Ops, run_cli: Cli)
     assert run_cli("jobs", "retry", str(job_id)).code == 0
 
     assert ops.scalar("SELECT run_at <= now() FROM {jobs} WHERE id = %s", (job_id,)) is True
+
+
+@pytest.mark.parametrize("transactional", [False, True], ids=["lease", "transactional"])
+def test_a_retried_scheduled_job_is_run_now_by_a_running_worker(
+    ops: Ops, run_cli: Cli, run_worker: StartWorker, transactional: bool
+) -> None:
+    """Not only due on paper: a worker that is already running (its claim cursor past
+    the job's id, nothing else to do) runs it at once."""
+    runs: list[int] = []
+
+    def record() -> None:
+        runs.append(skiplock.current_job().id)
+
+    if transactional:
+
+        @ops.app.task(name="later", transactional=True)
+        def later_in_a_transaction(conn: psycopg.Connection[Any]) -> None:
+            record()
+    else:
+
+        @ops.app.task(name="later")
+        def later() -> None:
+            record()
+
+    first = ops.job(task="later", run_at=-1)
+    run_worker()
+    wait_until(lambda: runs == [first], what="the worker to run a first job")
+    job_id = job_in(ops, "scheduled", task="later")  # an hour from now
+
+    assert run_cli("jobs", "retry", str(job_id)).code == 0
+
+    wait_until(lambda: runs == [first, job_id], what="the retried scheduled job to run")
+
+
+def test_a_retried_dead_job_keeps_its_place_in_line(ops: Ops, run_cli: Cli) -> None:
+    """Decision 008: only a future run_at comes to now; a past one is the job's place."""
+    job_id = job_in(ops, "dead")
+    run_at = ops.scalar("SELECT run_at FROM {jobs} WHERE id = %s", (job_id,))
+
+    assert run_cli("jobs", "retry", str(job_id)).code == 0
+
+    assert ops.scalar("SELECT run_at FROM {jobs} WHERE id = %s", (job_id,)) == run_at
 
 
 @pytest.mark.parametrize("state", WAITING)
