@@ -1,5 +1,5 @@
 """Leader election: one leader per schema runs the maintenance that must happen once
-(rescues, periodic ticks, history partitions).
+(rescues, admission, history partitions; periodic ticks are every worker's).
 
 ``Leadership`` is pure bookkeeping, tested with a made-up monotonic clock and a seeded
 random; the election itself is tested with real in-process workers. A worker's own view
