@@ -27,7 +27,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 import skiplock
 from conftest import SCHEMA, clean_tables, wait_until
 from skiplock.errors import ConfigurationError, EnqueueError, SchemaNotReadyError
-from skiplock.routing import group_queues, single_database
+from skiplock.routing import group_queues, same_database_urls, single_database
 from skiplock.worker.routed import RoutedWorker
 
 pytestmark = pytest.mark.timeout(120)
@@ -196,6 +196,19 @@ def test_each_database_gets_the_periodic_tasks_of_its_queues() -> None:
     assert reports.tasks is app.tasks and not reports.queue_databases
     with pytest.raises(ConfigurationError, match="not a database of this App"):
         app.for_database("postgresql:///elsewhere")
+
+
+def test_urls_are_the_same_database_when_their_servers_say_so() -> None:
+    one, other = ("7300000000000000001", "16384"), ("7300000000000000001", "16385")
+
+    same = same_database_urls({"a": one, "b": other, "a again": one, "unknown": None})
+
+    assert same == {
+        "a": ["a", "a again"],
+        "b": ["b"],
+        "a again": ["a", "a again"],
+        "unknown": ["unknown"],
+    }
 
 
 # -- enqueue -----------------------------------------------------------------------------
