@@ -9,8 +9,6 @@ import logging
 import os
 import re
 import shlex
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -187,8 +185,8 @@ def worker_queues(option: str | None, app: App) -> tuple[list[str], dict[str, li
 
 
 def _supervise(args: argparse.Namespace) -> int:
-    """Run ``--processes`` single-process workers, forwarding stop signals and
-    restarting any that die, so CPU-bound sync handlers use every core."""
+    """Run ``--processes`` single-process workers (worker/processes.py), each with this
+    command's options, so CPU-bound sync handlers use every core."""
     command = [sys.executable, "-m", "skiplock", *["-v"] * args.verbose]
     if args.schema:
         command += ["--schema", args.schema]
@@ -214,37 +212,23 @@ def _supervise(args: argparse.Namespace) -> int:
     if args.no_liveness_lock:
         command.append("--no-liveness-lock")
     command += pooler.child_arguments(args, env)
-    command += ["--history-retention-days", f"{args.history_retention_days:g}"]
-    command += ["--tcp-user-timeout", f"{args.tcp_user_timeout:g}"]
+    command += ["--history-retention-days", _exactly(args.history_retention_days)]
+    command += ["--tcp-user-timeout", _exactly(args.tcp_user_timeout)]
     if args.metrics_port:
         raise ConfigurationError(
             "--metrics-port serves one process; with --processes run the workers "
             "separately, each with its own port"
         )
-    children = [subprocess.Popen(command, env=env) for _ in range(args.processes)]
-    stopping = False
+    from skiplock.worker.processes import run_processes  # noqa: PLC0415
 
-    def forward(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
+    return run_processes(command, args.processes, env=env)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    while True:
-        for i, child in enumerate(children):
-            code = child.poll()
-            if code is not None and not stopping:
-                logging.getLogger("skiplock.cli").warning(
-                    "worker process %s exited with %s; restarting it", child.pid, code
-                )
-                time.sleep(1)
-                children[i] = subprocess.Popen(command, env=env)
-        if stopping and all(c.poll() is not None for c in children):
-            return 0
-        time.sleep(0.2)
+
+def _exactly(value: float) -> str:
+    """``value`` as the shortest text that reads back as the same float ("30", "0.1",
+    "12.3456789"): a child of --processes gets the option as given. Pure."""
+    text = repr(value)
+    return text.removesuffix(".0")
 
 
 def _fmt_time(value: datetime | None) -> str:

@@ -8,10 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
-import subprocess
 import sys
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -90,7 +87,7 @@ class Command(BaseCommand):
         _configure_logging(int(options["verbosity"]))
         try:
             if options["processes"] > 1:
-                _supervise(options["processes"])
+                _supervise(options)
                 return
             _run(options)
         except SkiplockError as exc:
@@ -181,41 +178,64 @@ def _run(options: dict[str, Any]) -> None:
         os._exit(0)
 
 
-def _this_program() -> list[str]:
-    """How this process was started: ``python manage.py`` (or django-admin), or ``python -m
-    django``, which must be repeated as -m (run as a script, django/__main__.py would put
-    the django package first on the path)."""
-    spec = getattr(sys.modules["__main__"], "__spec__", None)
-    if spec is not None and spec.name:
-        return [sys.executable, "-m", spec.name.removesuffix(".__main__")]
-    return [sys.executable, sys.argv[0]]
+def _this_program(env: dict[str, str]) -> list[str]:
+    """How a worker process runs this command: ``python -m django`` with this process's
+    settings module and import path, whatever started this one (manage.py, django-admin,
+    ``python -m django``, or call_command in a program that must not be run again)."""
+    from django.conf import settings  # noqa: PLC0415
+
+    module = getattr(settings, "SETTINGS_MODULE", None)
+    if not module:
+        raise ConfigurationError(
+            "--processes starts worker processes with `python -m django`, which needs "
+            "a settings module (DJANGO_SETTINGS_MODULE); these settings were configured "
+            "in code: run single-process workers instead"
+        )
+    env["DJANGO_SETTINGS_MODULE"] = module
+    env["PYTHONPATH"] = os.pathsep.join(path or os.getcwd() for path in sys.path)
+    return [sys.executable, "-m", "django"]
 
 
-def _supervise(processes: int) -> None:
-    """Run ``processes`` single-process workers (this command line with --processes 1),
-    forwarding stop signals and restarting any that dies."""
-    command = [*_this_program(), *sys.argv[1:], "--processes", "1"]
-    # Each child in a session of its own: a Ctrl-C at the terminal then reaches them once,
-    # forwarded from here (a second SIGINT tells a worker to give up on running jobs).
-    children = [subprocess.Popen(command, start_new_session=True) for _ in range(processes)]
-    stopping = False
+def _supervise(options: dict[str, Any]) -> None:
+    """Run ``--processes`` single-process workers (skiplock/worker/processes.py), each
+    with this command's options."""
+    if options["metrics_port"]:
+        raise ConfigurationError(
+            "--metrics-port serves one process; with --processes run the workers "
+            "separately, each with its own port"
+        )
+    from skiplock.worker.processes import run_processes  # noqa: PLC0415
 
-    def forward(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
+    env = dict(os.environ)
+    run_processes(child_command(options, env), options["processes"], env=env)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    while True:
-        for i, child in enumerate(children):
-            code = child.poll()
-            if code is not None and not stopping:
-                log.warning("worker process %s exited with %s; restarting it", child.pid, code)
-                time.sleep(1)
-                children[i] = subprocess.Popen(command, start_new_session=True)
-        if stopping and all(c.poll() is not None for c in children):
-            return
-        time.sleep(0.2)
+
+def child_command(options: dict[str, Any], env: dict[str, str]) -> list[str]:
+    """The command line of one worker process of ``--processes``: these options, not
+    this process's own command line (call_command has none), with --processes 1. A
+    listen URL goes through ``env`` (the child's environment), never the command line:
+    it may hold a password."""
+    command = [*_this_program(env), "skiplock_worker", "--processes", "1"]
+    for name in ("settings", "pythonpath"):  # Django's own, when given
+        if options.get(name):
+            command += [f"--{name}", str(options[name])]
+    command += ["--verbosity", str(options["verbosity"]), "--backend", options["backend"]]
+    if options["queues"]:
+        command += ["--queues", options["queues"]]
+    prefetch = options["prefetch"]
+    command += [
+        *("--concurrency", str(options["concurrency"])),
+        *("--prefetch", "auto" if prefetch is None else str(prefetch)),
+        *("--lease", _exactly(options["lease"])),
+        *("--shutdown-timeout", _exactly(options["shutdown_timeout"])),
+        *("--history-retention-days", _exactly(options["history_retention_days"])),
+        *("--tcp-user-timeout", _exactly(options["tcp_user_timeout"])),
+    ]
+    if options["no_liveness_lock"]:
+        command.append("--no-liveness-lock")
+    return command + pooler.child_arguments(argparse.Namespace(**options), env)
+
+
+def _exactly(value: float) -> str:
+    """The shortest text that reads back as ``value``."""
+    return repr(float(value)).removesuffix(".0")
