@@ -7,7 +7,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shlex
 import sys
 import time
@@ -1132,15 +1131,16 @@ def _database_url_from_env(args: argparse.Namespace) -> None:
 
 
 def without_password(url: str) -> str:
-    """``url`` with any password replaced by ``***``, fit for an error message."""
-    url = re.sub(r"(://[^/@:?]*:)[^@/?]*@", r"\1***@", url)
-    return re.sub(r"(password\s*=\s*)('[^']*'|\S+)", r"\1***", url)
+    """``url`` with any password replaced by ``***`` (routing.without_passwords)."""
+    return routing.without_passwords(url, url)
 
 
 def database_url_problem(url: str) -> str | None:
     """Why ``url`` cannot name a PostgreSQL database (a sentence naming the expected
     form), or None when it can. Checked before connecting, so that a typo reads as one
-    line, like a refused connection, rather than as the driver's traceback. Pure."""
+    line, like a refused connection, rather than as the driver's traceback. Neither the
+    URL nor libpq's reason, which quotes the token it stopped at, shows the password.
+    Pure."""
     if url == EMBEDDED:
         return None
     expected = "expected postgresql://USER@HOST:PORT/DBNAME (or key=value settings)"
@@ -1152,20 +1152,33 @@ def database_url_problem(url: str) -> str | None:
     try:
         psycopg.conninfo.conninfo_to_dict(url)
     except psycopg.ProgrammingError as exc:
-        masked = without_password(url)
-        reason = str(exc).strip().replace(url, masked)
+        reason = routing.without_passwords(str(exc).strip(), url)
         if reason.startswith('missing "="'):  # the driver took it for key=value settings
             reason = "neither a URL nor key=value settings"
-        return f"the database URL {masked!r} is malformed ({reason}); {expected}"
+        return f"the database URL {without_password(url)!r} is malformed ({reason}); {expected}"
     return None
 
 
+def _given_urls(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(where it came from, URL) of every database URL this command was given."""
+    given = [
+        ("--database-url", args.database_url),
+        (f"${DATABASE_URL_ENV}", None if args.database_url else os.environ.get(DATABASE_URL_ENV)),
+        ("--read-url", args.read_url),
+        (f"${READ_URL_ENV}", None if args.read_url else os.environ.get(READ_URL_ENV)),
+    ]
+    if hasattr(args, "listen_url"):
+        given.append(("--listen-url", args.listen_url))
+        if not args.listen_url:
+            given.append((f"${pooler.LISTEN_URL_ENV}", os.environ.get(pooler.LISTEN_URL_ENV)))
+    return [(origin, url) for origin, url in given if url]
+
+
 def _check_database_url(args: argparse.Namespace) -> None:
-    url = args.database_url or os.environ.get(DATABASE_URL_ENV)
-    problem = database_url_problem(url) if url else None
-    if problem:
-        origin = "--database-url" if args.database_url else f"${DATABASE_URL_ENV}"
-        raise ConfigurationError(f"{origin}: {problem}")
+    for origin, url in _given_urls(args):
+        problem = database_url_problem(url)
+        if problem:
+            raise ConfigurationError(f"{origin}: {problem}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1188,7 +1201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"skiplock: {exc}", file=sys.stderr)
         return 2
     except psycopg.OperationalError as exc:
-        print(f"skiplock: cannot reach the database: {str(exc).strip()}", file=sys.stderr)
+        # libpq and psycopg quote what they could not use: a host may be a password's tail.
+        reason = routing.without_passwords(str(exc).strip(), *(u for _, u in _given_urls(args)))
+        print(f"skiplock: cannot reach the database: {reason}", file=sys.stderr)
         return 2
     except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:
         print(

@@ -8,9 +8,11 @@ one round trip per connection, not per enqueue; an App without routes pays nothi
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
+from urllib.parse import unquote
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
@@ -46,8 +48,8 @@ def check_routes(routes: Mapping[str, str] | None) -> dict[str, str]:
             conninfo_to_dict(url)
         except psycopg.ProgrammingError as exc:
             raise ConfigurationError(
-                f"queue_databases[{queue!r}]: the URL {describe_url(url)!r} is malformed "
-                f"({str(exc).strip().replace(url, describe_url(url))}); expected "
+                f"queue_databases[{queue!r}]: the URL {without_passwords(url, url)!r} is "
+                f"malformed ({without_passwords(str(exc).strip(), url)}); expected "
                 "postgresql://USER@HOST:PORT/DBNAME"
             ) from None
         checked[queue] = url
@@ -61,6 +63,118 @@ def describe_url(url: str) -> str:
     except psycopg.ProgrammingError:
         return "<a malformed URL>"
     return _where(params.get("host"), params.get("port"), params.get("dbname"))
+
+
+MASK = "***"
+# libpq quotes the token it stopped at in double quotes, psycopg a host in single ones.
+_QUOTED = re.compile(r""""([^"]*)"|'([^']*)'""")
+_NEXT_SETTING = re.compile(r"\s+[A-Za-z_]+\s*=")
+_SETTING_PASSWORD = re.compile(r"(?:^|\s)password\s*=\s*")
+_QUERY_PASSWORD = re.compile(r"[?&]password=([^&]*)")
+
+
+def without_passwords(text: str, *urls: str | None) -> str:
+    """``text`` (a URL, or libpq's or skiplock's message about one) with each URL's
+    password as ``***``, and every token libpq quoted from it that is part of that
+    password.
+
+    A malformed URL's error quotes the token libpq stopped at (``invalid
+    percent-encoded token: "s3cr%t"``), and a raw ``@`` in a password makes libpq read
+    its tail as the host (``could not translate host name "tail@db.example"``): the
+    password is taken generously, up to the last ``@``, and any quoted token that
+    overlaps it, as written or percent-decoded, is masked. Pure."""
+    for url in urls:
+        if url:
+            text = _mask(text, url)
+    return text
+
+
+def _mask(text: str, url: str) -> str:
+    spans = _password_spans(url)
+    if not spans:
+        return text
+    masked_url = _replace_spans(url, spans)
+    text = text.replace(url, masked_url)
+    decoded, decoded_spans = _decoded(url, spans)
+
+    def token(match: re.Match[str]) -> str:
+        quoted = match.group(1) if match.group(1) is not None else match.group(2)
+        if quoted and (_overlaps(quoted, url, spans) or _overlaps(quoted, decoded, decoded_spans)):
+            mark = match.group(0)[0]
+            return f"{mark}{MASK}{mark}"
+        return match.group(0)
+
+    text = _QUOTED.sub(token, text)
+    for start, end in [*spans, *decoded_spans]:  # the whole password, unquoted
+        haystack = url if (start, end) in spans else decoded
+        secret = haystack[start:end]
+        if len(secret) >= 4:
+            text = text.replace(secret, MASK)
+    return text
+
+
+def _password_spans(url: str) -> list[tuple[int, int]]:
+    """Where ``url`` holds a password: (start, end) offsets. Pure."""
+    scheme, separator, _ = url.partition("://")
+    if not separator:  # key=value settings
+        spans = []
+        for found in _SETTING_PASSWORD.finditer(url):
+            start = found.end()
+            if url.startswith("'", start):  # a quoted value, to its closing quote
+                close = re.compile(r"(?<!\\)'").search(url, start + 1)
+                end = close.end() if close else len(url)
+            else:  # unquoted: taken to the next setting (a space in it is an error)
+                following = _NEXT_SETTING.search(url, start)
+                end = following.start() if following else len(url)
+            spans.append((start, end))
+        return spans
+    start = len(scheme) + len(separator)
+    spans = [found.span(1) for found in _QUERY_PASSWORD.finditer(url)]
+    colon, first_at = url.find(":", start), url.find("@", start)
+    slash = url.find("/", start)
+    if colon < 0 or first_at < colon:  # no user:...@
+        return spans
+    if 0 <= slash < first_at and url[colon + 1 : slash].isdigit():
+        return spans  # HOST:PORT/..., an @ further on: no password there
+    end = url.rfind("@")  # malformed: anything up to the last @ may be the password
+    try:
+        conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        return [(colon + 1, end), *spans]
+    if slash < 0 or first_at < slash:  # libpq's user:password@, the host may hold more @
+        host = re.compile(r"[/?]").search(url, first_at)
+        end = max(first_at, url.rfind("@", first_at, host.start() if host else len(url)))
+    return [(colon + 1, end), *spans]
+
+
+def _replace_spans(text: str, spans: list[tuple[int, int]]) -> str:
+    for start, end in sorted(spans, reverse=True):
+        text = text[:start] + MASK + text[end:]
+    return text
+
+
+def _decoded(url: str, spans: list[tuple[int, int]]) -> tuple[str, list[tuple[int, int]]]:
+    """``url`` percent-decoded as libpq decodes its parts, and where its spans went."""
+    pieces, moved, position = [], [], 0
+    for start, end in sorted(spans):
+        pieces.append(unquote(url[position:start]))
+        secret = unquote(url[start:end])
+        offset = sum(len(piece) for piece in pieces)
+        moved.append((offset, offset + len(secret)))
+        pieces.append(secret)
+        position = end
+    pieces.append(unquote(url[position:]))
+    return "".join(pieces), moved
+
+
+def _overlaps(token: str, haystack: str, spans: list[tuple[int, int]]) -> bool:
+    """Whether any occurrence of ``token`` in ``haystack`` overlaps one of ``spans``."""
+    at = haystack.find(token)
+    while at >= 0:
+        if any(at < end and start < at + len(token) for start, end in spans):
+            return True
+        at = haystack.find(token, at + 1)
+    return False
 
 
 def describe_connection(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> str:
