@@ -57,12 +57,17 @@ def check_routes(routes: Mapping[str, str] | None) -> dict[str, str]:
 
 
 def describe_url(url: str) -> str:
-    """``host:port/dbname`` of a URL: names a database in a message, never a password."""
+    """``host:port/dbname`` of a URL: names a database in a message, never a password
+    (a raw ``@`` in one makes libpq take its tail for the host: the host is then what
+    follows the last ``@``)."""
     try:
         params = conninfo_to_dict(url)
     except psycopg.ProgrammingError:
         return "<a malformed URL>"
-    return _where(params.get("host"), params.get("port"), params.get("dbname"))
+    host = params.get("host")
+    if isinstance(host, str) and "@" in host:
+        host = host.rpartition("@")[2]
+    return _where(host, params.get("port"), params.get("dbname"))
 
 
 MASK = "***"
