@@ -11,8 +11,10 @@ import sys
 import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
+from starlette.testclient import TestClient
 
 from skiplock import cli, routing
+from skiplock.dashboard import create_app
 from skiplock.errors import ConfigurationError
 
 PASSWORDS = ["Kq%Zx9wV", "Kq Zx9wV", "Kq/Zx%9wV", "Kq%zzW@v J", "Kq9Zx%", "Kq%4"]
@@ -128,3 +130,24 @@ def test_the_command_names_an_unreachable_host_without_the_passwords_tail() -> N
 
     assert err.startswith("skiplock: cannot reach the database: ")
     assert leaks(password, err) == []
+
+
+@pytest.mark.parametrize(("url", "password"), MALFORMED)
+def test_the_dashboard_refuses_a_malformed_url_without_its_password(
+    url: str, password: str
+) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        create_app(url, "skiplock")
+
+    assert "is malformed (" in str(refused.value)
+    assert leaks(password, str(refused.value)) == []
+
+
+def test_the_dashboards_error_page_names_an_unreachable_host_without_the_passwords_tail() -> None:
+    url, password = UNRESOLVABLE
+
+    with TestClient(create_app(url, "skiplock"), raise_server_exceptions=False) as web:
+        page = web.get("/")
+
+    assert "cannot reach the database" in page.text
+    assert leaks(password, page.text) == []

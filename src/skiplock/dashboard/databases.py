@@ -21,7 +21,7 @@ from psycopg.conninfo import conninfo_to_dict
 from skiplock.dashboard.reads import FilterError
 from skiplock.errors import ConfigurationError
 from skiplock.replica import check_one_database
-from skiplock.routing import describe_url
+from skiplock.routing import describe_url, without_passwords
 
 if TYPE_CHECKING:
     from skiplock.app import App
@@ -50,7 +50,7 @@ def _checked(url: str, what: str) -> str:
     try:
         conninfo_to_dict(url)
     except psycopg.ProgrammingError as exc:
-        reason = str(exc).strip().replace(url, describe_url(url))
+        reason = without_passwords(str(exc).strip(), url)
         raise ConfigurationError(
             f"{what} is malformed ({reason}); expected postgresql://USER@HOST:PORT/DBNAME"
         ) from None

@@ -44,7 +44,7 @@ from skiplock.dashboard import reads, security, values
 from skiplock.dashboard.databases import DB_PARAM, Database, dashboard_databases, pick_database
 from skiplock.errors import ConfigurationError, JobNotFoundError
 from skiplock.replica import ReplicaState, replica_state
-from skiplock.routing import describe_url
+from skiplock.routing import describe_url, without_passwords
 from skiplock.sql import dashboard as dashboard_sql
 from skiplock.sql import render
 from skiplock.tasks import MAX_QUEUE_NAME, check_name, parse_rate
@@ -270,13 +270,14 @@ class Dashboard:
 
 
 def _why_unreachable(url: str) -> str:
-    """What a direct connection attempt says (libpq's message never holds the password;
-    a malformed URL's would, and is replaced by its host and database)."""
+    """What a direct connection attempt says, without the URL's password (libpq's and
+    psycopg's messages quote a malformed URL's bad token, or a password's tail taken for
+    the host: routing.without_passwords)."""
     try:
         with psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT_SECONDS, autocommit=True):
             pass
     except psycopg.Error as exc:
-        return str(exc).strip().replace(url, describe_url(url))
+        return without_passwords(str(exc).strip(), url)
     return (
         f"no connection was free within {CONNECTION_WAIT_SECONDS:g} s (every one busy with a "
         "slow read): try again"
