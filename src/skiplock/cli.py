@@ -19,6 +19,19 @@ import psycopg.conninfo
 
 from skiplock import client, pooler, routing
 from skiplock.app import App, load_app
+from skiplock.command_line import (
+    CONCURRENCY,
+    JOB_ID,
+    PORT,
+    PROCESSES,
+    RETENTION_DAYS,
+    TCP_USER_TIMEOUT,
+    OneLineParser,
+    UsageError,
+    count,
+    prefetch_setting,
+    seconds,
+)
 from skiplock.config import DATABASE_URL_ENV, DEFAULT_SCHEMA, EMBEDDED, SCHEMA_ENV
 from skiplock.errors import ConfigurationError, SkiplockError
 from skiplock.migrate import Migration, available_migrations, migrate, pending_migrations
@@ -703,17 +716,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo.main(args.database_url, args.demo_schema, args.json, args.prefetch)
 
 
-def prefetch_setting(text: str) -> int | None:
-    """``--prefetch``: 'auto' (None: sized from job durations) or a count >= 0."""
-    if text == "auto":
-        return None
+def phases(text: str) -> list[float]:
+    """``bench --phases``: comma-separated seconds, each finite and >= 0."""
+    each = seconds()
     try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 0, got {text!r}")
-    return value
+        return [float(each(part)) for part in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated seconds, each {each.expected}, got {text!r}"
+        ) from None
 
 
 SCENARIOS = (
@@ -745,8 +756,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise ConfigurationError(
                 f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}"
             )
-    if not args.promote_after >= 0:  # also refuses nan
-        raise ConfigurationError(f"--promote-after {args.promote_after}: use 0 or more seconds")
     return bench.run(
         scenarios,
         database_url=args.database_url,
@@ -757,7 +766,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         history_rows=args.history_rows,
         as_json=args.json,
         rate=args.rate,
-        phase_seconds=[float(x) for x in args.phases.split(",")],
+        phase_seconds=args.phases,
         enqueue_seconds=args.enqueue_seconds,
         worker_args=shlex.split(args.worker_args),
         promote_after=args.promote_after,
@@ -765,9 +774,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="skiplock", description="A PostgreSQL job queue for Python."
-    )
+    parser = OneLineParser(prog="skiplock", description="A PostgreSQL job queue for Python.")
     parser.add_argument(
         "--database-url",
         default=None,
@@ -798,7 +805,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("migrate", help="apply pending schema migrations")
     p.add_argument("--status", action="store_true", help="list migrations and whether applied")
     p.add_argument("--sql", action="store_true", help="print the SQL that would run")
-    p.add_argument("--target", type=int, default=None, help="stop at this version")
+    p.add_argument("--target", type=count(1), default=None, help="stop at this version")
     p.add_argument(
         "--app",
         metavar="MODULE:APP",
@@ -822,14 +829,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--concurrency",
-        type=int,
+        type=CONCURRENCY,
         default=10,
         metavar="N",
         help="jobs run at once per process (default: %(default)s)",
     )
     p.add_argument(
         "--processes",
-        type=int,
+        type=PROCESSES,
         default=1,
         metavar="N",
         help="worker processes to run, restarted when they die; more than one helps "
@@ -846,7 +853,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--lease",
-        type=float,
+        type=seconds(above_zero=True),
         default=30.0,
         metavar="SECONDS",
         help="how long a claimed job is held without a heartbeat before another worker may "
@@ -854,7 +861,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--poll-interval",
-        type=float,
+        type=seconds(above_zero=True),
         default=None,
         metavar="SECONDS",
         help="how often to look for jobs when no notification arrives; notifications wake "
@@ -862,7 +869,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=seconds(),
         default=30.0,
         metavar="SECONDS",
         help="at shutdown, how long running jobs may take to finish before they are "
@@ -870,7 +877,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=PORT,
         metavar="PORT",
         help="serve Prometheus metrics on this port; needs the metrics extra (default: no metrics)",
     )
@@ -883,7 +890,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--history-retention-days",
-        type=float,
+        type=RETENTION_DAYS,
         default=7.0,
         metavar="DAYS",
         help="drop finished jobs older than this; 0 keeps them forever (default: %(default)g)",
@@ -896,7 +903,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tcp-user-timeout",
-        type=float,
+        type=TCP_USER_TIMEOUT,
         default=30.0,
         metavar="SECONDS",
         help="drop a connection whose peer stopped answering (a cut link) after about "
@@ -914,14 +921,14 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--state", choices=states)
         q.add_argument("--queue")
         q.add_argument("--task")
-        q.add_argument("--older-than", type=float, metavar="SECONDS", help="by creation time")
+        q.add_argument("--older-than", type=seconds(), metavar="SECONDS", help="by creation time")
 
     q = jobs.add_parser("list", help="live jobs (history is not listed)")
     add_filters(q)
-    q.add_argument("--limit", type=int, default=100)
+    q.add_argument("--limit", type=count(1), default=100)
     q.add_argument("--json", action="store_true")
     q = jobs.add_parser("show", help="show one job, live or finished, with every error")
-    q.add_argument("id", type=int)
+    q.add_argument("id", type=JOB_ID)
     q.add_argument("--json", action="store_true", help="print the job as one JSON object")
     for name, text in (
         ("retry", "send dead or waiting jobs back to their queue with fresh attempts"),
@@ -929,7 +936,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("delete", "delete jobs that are not running, leaving no history"),
     ):
         q = jobs.add_parser(name, help=text)
-        q.add_argument("id", type=int, nargs="?", help="one job; or use --all with filters")
+        q.add_argument("id", type=JOB_ID, nargs="?", help="one job; or use --all with filters")
         q.add_argument("--all", action="store_true", help="every job matching the filters")
         add_filters(q)
         q.add_argument("--yes", action="store_true", help="do not ask for confirmation")
@@ -948,7 +955,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="limit a queue across all workers (no options: remove its limits)",
     )
     q.add_argument("queue")
-    q.add_argument("--concurrency", type=int, help="at most this many jobs running at once")
+    q.add_argument("--concurrency", type=CONCURRENCY, help="at most this many jobs running at once")
     q.add_argument("--rate", help="at most this many jobs started per period: 100/s, 600/minute")
     queues.add_parser("list", help="list paused and limited queues")
     p.set_defaults(func=cmd_queues)
@@ -961,7 +968,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument(
         "--long-transaction",
-        type=float,
+        type=seconds(),
         default=300.0,
         metavar="SECONDS",
         help="warn about transactions open longer than this (default %(default)s)",
@@ -973,7 +980,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="create history partitions ahead and drop those past retention "
         "(the worker's leader does this every minute)",
     )
-    p.add_argument("--retention-days", type=float, default=7.0)
+    p.add_argument("--retention-days", type=RETENTION_DAYS, default=7.0)
     p.add_argument("--keep-forever", action="store_true", help="only create partitions")
     p.set_defaults(func=cmd_prune)
 
@@ -1032,26 +1039,29 @@ def build_parser() -> argparse.ArgumentParser:
         default="enqueue,drain,ceiling,latency,seed,history,scheduled",
         help="comma-separated, from: " + ", ".join(SCENARIOS),
     )
-    p.add_argument("--jobs", type=int, default=100_000)
-    p.add_argument("--processes", type=int, default=2, help="worker processes")
-    p.add_argument("--concurrency", type=int, default=200, help="per worker process")
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--history-rows", type=int, default=1_000_000)
-    p.add_argument("--rate", type=int, default=1000, help="pressure and failover: jobs/s offered")
+    p.add_argument("--jobs", type=count(1), default=100_000)
+    p.add_argument("--processes", type=PROCESSES, default=2, help="worker processes")
+    p.add_argument("--concurrency", type=CONCURRENCY, default=200, help="per worker process")
+    p.add_argument("--runs", type=count(1), default=3)
+    p.add_argument("--history-rows", type=count(0), default=1_000_000)
+    p.add_argument(
+        "--rate", type=count(1), default=1000, help="pressure and failover: jobs/s offered"
+    )
     p.add_argument(
         "--phases",
+        type=phases,
         default="20,60,180,60",
         help="pressure: seconds of warm-up, clean, held and recovery (default %(default)s)",
     )
     p.add_argument(
         "--enqueue-seconds",
-        type=float,
+        type=seconds(above_zero=True),
         default=20.0,
         help="enqueue-concurrent: seconds per run (default %(default)s)",
     )
     p.add_argument(
         "--promote-after",
-        type=float,
+        type=seconds(),
         default=0.0,
         metavar="SECONDS",
         help="failover: seconds from the standby noticing the loss to its promotion, as a "
@@ -1071,16 +1081,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Exits 1 when a threshold given here is crossed, so it can be an alert check.",
     )
     p.add_argument("--json", action="store_true")
-    p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS")
-    p.add_argument("--max-dead", type=int, metavar="N", help="alert when a queue has > N dead")
-    p.add_argument("--max-available", type=int, metavar="N", help="alert when > N jobs ready")
+    p.add_argument(
+        "--watch", type=seconds(above_zero=True), metavar="SECONDS", help="refresh every SECONDS"
+    )
+    p.add_argument("--max-dead", type=count(0), metavar="N", help="alert when a queue has > N dead")
+    p.add_argument("--max-available", type=count(0), metavar="N", help="alert when > N jobs ready")
     p.add_argument(
         "--max-ready-age",
-        type=float,
+        type=seconds(),
         metavar="SECONDS",
         help="alert when the oldest ready job has waited longer",
     )
-    p.add_argument("--min-workers", type=int, metavar="N", help="alert when < N workers")
+    p.add_argument("--min-workers", type=count(0), metavar="N", help="alert when < N workers")
     p.add_argument(
         "--app",
         metavar="MODULE:APP",
@@ -1183,7 +1195,11 @@ def _check_database_url(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as exc:
+        print(f"skiplock: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=logging.DEBUG if args.verbose > 1 else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -15,22 +15,18 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from skiplock import pooler
+from skiplock.command_line import (
+    CONCURRENCY,
+    PORT,
+    PROCESSES,
+    RETENTION_DAYS,
+    TCP_USER_TIMEOUT,
+    prefetch_setting,
+    seconds,
+)
 from skiplock.errors import ConfigurationError, SkiplockError
 
 log = logging.getLogger("skiplock.contrib.django")
-
-
-def prefetch_setting(text: str) -> int | None:
-    """``--prefetch``: 'auto' (None: sized from job durations) or a count >= 0."""
-    if text == "auto":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 0, got {text!r}")
-    return value
 
 
 class Command(BaseCommand):
@@ -43,8 +39,10 @@ class Command(BaseCommand):
         parser.add_argument(
             "--queues", default=None, help="comma-separated (default: the backend's QUEUES)"
         )
-        parser.add_argument("--concurrency", type=int, default=10, help="jobs at once")
-        parser.add_argument("--processes", type=int, default=1, help="worker processes to run")
+        parser.add_argument("--concurrency", type=CONCURRENCY, default=10, help="jobs at once")
+        parser.add_argument(
+            "--processes", type=PROCESSES, default=1, help="worker processes to run"
+        )
         parser.add_argument(
             "--prefetch",
             type=prefetch_setting,
@@ -52,19 +50,21 @@ class Command(BaseCommand):
             metavar="auto|N",
             help="jobs to claim beyond free slots (default auto; 0 turns it off)",
         )
-        parser.add_argument("--lease", type=float, default=30.0, help="lease seconds")
+        parser.add_argument(
+            "--lease", type=seconds(above_zero=True), default=30.0, help="lease seconds"
+        )
         parser.add_argument(
             "--poll-interval",
-            type=float,
+            type=seconds(above_zero=True),
             default=None,
             help="fallback poll seconds (default 1; 0.2 without a listener)",
         )
-        parser.add_argument("--shutdown-timeout", type=float, default=30.0)
-        parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics here")
+        parser.add_argument("--shutdown-timeout", type=seconds(), default=30.0)
+        parser.add_argument("--metrics-port", type=PORT, help="serve Prometheus metrics here")
         parser.add_argument("--metrics-host", default="127.0.0.1")
         parser.add_argument(
             "--history-retention-days",
-            type=float,
+            type=RETENTION_DAYS,
             default=7.0,
             help="drop finished jobs older than this (0 keeps them forever)",
         )
@@ -75,7 +75,7 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--tcp-user-timeout",
-            type=float,
+            type=TCP_USER_TIMEOUT,
             default=30.0,
             help="drop a connection whose peer stopped answering after about this long "
             "(TCP keepalives and tcp_user_timeout, unless the URL sets them; 0: the "
