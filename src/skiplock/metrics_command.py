@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 from skiplock.app import App
+from skiplock.command_line import PORT, seconds
 from skiplock.errors import ConfigurationError
 
 DEFAULT_PORT = 9808
@@ -34,7 +35,7 @@ def add_parser(sub: Any) -> None:
         ),
     )
     p.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help="port to serve (default %(default)s)"
+        "--port", type=PORT, default=DEFAULT_PORT, help="port to serve (default %(default)s)"
     )
     p.add_argument(
         "--host",
@@ -44,7 +45,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--refresh",
-        type=float,
+        type=seconds(),
         default=15.0,
         metavar="SECONDS",
         help="read the database at most this often (default %(default)s)",
