@@ -13,6 +13,7 @@ import logging
 import os
 from typing import Any
 
+from skiplock.command_line import PORT
 from skiplock.config import DEFAULT_SCHEMA, SCHEMA_ENV, resolve_database_url
 from skiplock.dashboard import security
 from skiplock.errors import ConfigurationError
@@ -40,7 +41,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=DEFAULT_HOST,
         help="address to listen on (default %(default)s: this machine only)",
     )
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="default %(default)s")
+    parser.add_argument("--port", type=PORT, default=DEFAULT_PORT, help="default %(default)s")
     parser.add_argument(
         "--read-only", action="store_true", help="show everything, change nothing (no actions)"
     )
