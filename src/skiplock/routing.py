@@ -8,6 +8,7 @@ one round trip per connection, not per enqueue; an App without routes pays nothi
 
 from __future__ import annotations
 
+import logging
 import re
 import weakref
 from collections.abc import Iterable, Mapping
@@ -92,6 +93,26 @@ def without_passwords(text: str, *urls: str | None) -> str:
         if url:
             text = _mask(text, url)
     return text
+
+
+class PasswordsMasked(logging.Filter):
+    """A logging filter (for a handler) that passes every record through
+    ``without_passwords`` for ``urls``: a worker's "cannot reach the database" and
+    psycopg_pool's warnings quote a host that may be a password's tail."""
+
+    def __init__(self, *urls: str) -> None:
+        super().__init__()
+        self.urls = list(urls)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.urls:
+            record.msg = without_passwords(record.getMessage(), *self.urls)
+            record.args = None
+            if record.exc_info and not record.exc_text:
+                record.exc_text = logging.Formatter().formatException(record.exc_info)
+            if record.exc_text:
+                record.exc_text = without_passwords(record.exc_text, *self.urls)
+        return True
 
 
 def _mask(text: str, url: str) -> str:
