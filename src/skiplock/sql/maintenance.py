@@ -80,9 +80,40 @@ def _rescued_columns(kind: str, why: str) -> str:
     lease_expires_at = NULL"""
 
 
+# A job whose cancellation was asked for ends cancelled when its worker is gone, as the
+# requester was told: into history, with the reason among its errors. Appended to a
+# statement whose CTE `cancelled` deleted such jobs (RETURNING *).
+_CANCELLED_INTO_HISTORY = """
+INSERT INTO {history} (id, queue, task, args, state, priority, attempts, max_attempts, errors,
+                       result, unique_key, ordering_key, created_at, attempted_at, progress,
+                       started_at, worker_ids, meta)
+SELECT id, queue, task, args, 'cancelled', priority, attempts, max_attempts,
+       errors || jsonb_build_array(jsonb_build_object(
+           'attempt', attempts, 'at', now(), 'type', 'Cancelled',
+           'message', 'cancelled; its worker was gone', 'traceback', NULL)),
+       NULL, unique_key, ordering_key, created_at, attempted_at, progress, started_at,
+       worker_ids, meta
+FROM cancelled
+"""
+
+# The jobs of the workers WORKERS_GONE found dead: back to their queues, except those
+# whose cancellation was asked for, which end cancelled at once (waiting for the next
+# JOB_CANCEL_ABANDONED pass left them running under a dead worker for half a lease).
+# Rows come back as NOTIFY_MOVED's, plus one with no queue counting the cancelled jobs.
 JOB_RESCUE_ORPHANED = (
     """
-WITH moved AS (
+WITH cancelled AS (
+    DELETE FROM {jobs}
+    WHERE id = ANY(ARRAY(
+        SELECT id FROM {jobs}
+        WHERE state = 'running' AND worker_id = ANY(%(workers)s::uuid[])
+          AND cancel_requested_at IS NOT NULL
+        FOR UPDATE SKIP LOCKED))
+    RETURNING *
+), ended AS ("""
+    + _CANCELLED_INTO_HISTORY
+    + """    RETURNING id
+), moved AS (
     UPDATE {jobs}
     SET"""
     + _rescued_columns("WorkerLost", "'worker ' || worker_id::text || ' lost its connection'")
@@ -98,12 +129,17 @@ WITH moved AS (
     RETURNING queue, priority, run_at
 )"""
     + NOTIFY_MOVED
+    + """
+UNION ALL
+SELECT NULL, count(*), NULL::void FROM ended HAVING count(*) > 0
+"""
 )
 
 # A job whose cancellation was asked for while its worker died (or hung past its lease)
 # is not rescued: it ends cancelled, as asked.
-JOB_CANCEL_ABANDONED = """
-WITH done AS (
+JOB_CANCEL_ABANDONED = (
+    """
+WITH cancelled AS (
     DELETE FROM {jobs}
     WHERE id = ANY(ARRAY(
         SELECT id FROM {jobs} AS j
@@ -112,19 +148,11 @@ WITH done AS (
                OR NOT EXISTS (SELECT 1 FROM {workers} AS w WHERE w.id = j.worker_id))
         FOR UPDATE SKIP LOCKED))
     RETURNING *
-)
-INSERT INTO {history} (id, queue, task, args, state, priority, attempts, max_attempts, errors,
-                       result, unique_key, ordering_key, created_at, attempted_at, progress,
-                       started_at, worker_ids, meta)
-SELECT id, queue, task, args, 'cancelled', priority, attempts, max_attempts,
-       errors || jsonb_build_array(jsonb_build_object(
-           'attempt', attempts, 'at', now(), 'type', 'Cancelled',
-           'message', 'cancelled; its worker was gone', 'traceback', NULL)),
-       NULL, unique_key, ordering_key, created_at, attempted_at, progress, started_at,
-       worker_ids, meta
-FROM done
-RETURNING queue, 1
+)"""
+    + _CANCELLED_INTO_HISTORY
+    + """RETURNING queue, 1
 """
+)
 
 # A lease that ran out means a hung, partitioned or dead worker. Give the job back (or park
 # it as dead when it has no attempts left) and say why on the job. Fenced on the deadline

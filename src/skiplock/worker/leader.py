@@ -119,9 +119,10 @@ class LeaderService(PeriodicService):
 
 
 class Rescue(LeaderService):
-    """Give back the jobs of dead workers (by liveness lock, every pass) and of expired
-    leases (every ``expired_every``: that scan walks the running index, which grows while
-    VACUUM is held back)."""
+    """Give back the jobs of dead workers (by liveness lock, every pass; those whose
+    cancellation was asked for end cancelled) and of expired leases (every
+    ``expired_every``: that scan walks the running index, which grows while VACUUM is held
+    back)."""
 
     name = "rescue"
 
