@@ -70,19 +70,67 @@ def test_each_use_gets_schema_usage_and_only_its_own_privileges() -> None:
     enqueue = grants.statements("my_schema", "app-worker", Use.ENQUEUE)
     admin = grants.statements("my_schema", "app-worker", Use.ADMIN)
 
+    inserts = f"INSERT ({', '.join(grants.ENQUEUE_COLUMNS)})"
     for printed in (worker, enqueue, admin):
         assert printed[0] == 'GRANT USAGE ON SCHEMA "my_schema" TO "app-worker"'
         assert 'GRANT SELECT ON TABLE "my_schema"."schema_migrations" TO "app-worker"' in printed
-    assert 'GRANT SELECT, INSERT ON TABLE "my_schema"."jobs" TO "app-worker"' in enqueue
+        # The table-wide INSERT of earlier releases goes first; every use then inserts
+        # the enqueue columns only, never an id (decision 021).
+        assert printed[1] == 'REVOKE INSERT ON TABLE "my_schema"."jobs" FROM "app-worker"'
+        assert not any(s.startswith("GRANT") and "INSERT," in s and '"jobs"' in s for s in printed)
+    assert "id" not in grants.ENQUEUE_COLUMNS and "worker_id" not in grants.ENQUEUE_COLUMNS
+    assert f'GRANT SELECT, {inserts} ON TABLE "my_schema"."jobs" TO "app-worker"' in enqueue
     assert not any("history_partition" in s for s in enqueue)
     assert not any("DELETE" in s and '"jobs"' in s for s in enqueue)
     for printed in (worker, admin):
         assert any("EXECUTE ON FUNCTION" in s and "history_partition_create" in s for s in printed)
-        assert any(
-            s.startswith("GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE") and '"jobs"' in s
-            for s in printed
+        assert (
+            f'GRANT SELECT, {inserts}, UPDATE, DELETE ON TABLE "my_schema"."jobs" TO "app-worker"'
+            in printed
         )
     assert not any("ALL PRIVILEGES" in s or "TRUNCATE" in s for s in worker + enqueue + admin)
+
+
+def test_the_upgrade_leaves_earlier_grants_with_the_enqueue_columns_only(
+    database_url: str, scratch_schema: str, roles: Roles
+) -> None:
+    """Migration 0019 turns the table-wide INSERT on jobs that `skiplock grant` gave
+    before into INSERT on the columns grants.ENQUEUE_COLUMNS lists, for every role."""
+    app = skiplock.App(database_url, schema=scratch_schema)
+    app.migrate(target=18)
+    role, url = roles.create("enqueue")
+    with psycopg.connect(database_url, autocommit=True) as owner:
+        for statement in grants.statements(scratch_schema, role, Use.ENQUEUE)[:1]:
+            owner.execute(statement)
+        owner.execute(
+            sql.SQL("GRANT SELECT, INSERT ON TABLE {} TO {}").format(
+                sql.Identifier(scratch_schema, "jobs"), sql.Identifier(role)
+            )
+        )
+    app.migrate()
+
+    with psycopg.connect(database_url, autocommit=True) as owner:
+        columns = {
+            str(r[0])
+            for r in owner.execute(
+                "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 "
+                "AND NOT attisdropped AND has_column_privilege(%s, attrelid, attnum, 'INSERT')",
+                (f'"{scratch_schema}".jobs', role),
+            )
+        }
+    assert columns == set(grants.ENQUEUE_COLUMNS)
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("INSERT INTO {} (task) VALUES ('t')").format(
+                sql.Identifier(scratch_schema, "jobs")
+            )
+        )
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute(
+                sql.SQL("INSERT INTO {} (id, task) VALUES (1000, 't')").format(
+                    sql.Identifier(scratch_schema, "jobs")
+                )
+            )
 
 
 def test_every_table_and_function_of_the_schema_has_a_decision(

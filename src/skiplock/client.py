@@ -7,6 +7,7 @@ by the sync and async shells, which only execute.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
@@ -102,7 +103,6 @@ def _copy_field(value: object) -> str:
 
 def _copy_chunks(
     specs: Sequence[JobSpec],
-    ids: Sequence[int],
     now: datetime,
     *,
     keyed: bool = False,
@@ -119,7 +119,7 @@ def _copy_chunks(
     # In UTC: an odd offset (fractions of a second) cannot trouble COPY, and a delay is
     # added as elapsed time, as now() + interval is, not as wall-clock time across DST.
     now = now.astimezone(UTC)
-    for job_id, spec in zip(ids, specs, strict=True):
+    for spec in specs:
         when = (spec.run_at, spec.delay)
         if when not in due:
             run_at = (
@@ -136,7 +136,7 @@ def _copy_chunks(
         queue = names.get(spec.queue) or names.setdefault(spec.queue, _copy_field(spec.queue))
         task = names.get(spec.task) or names.setdefault(spec.task, _copy_field(spec.task))
         line = (
-            f"{job_id}\t{queue}\t{task}\t{_copy_field(spec.args_json)}\t{spec.priority}\t"
+            f"{queue}\t{task}\t{_copy_field(spec.args_json)}\t{spec.priority}\t"
             f"{run_at_text}\t{state}\t{spec.max_attempts}"
         )
         if keyed:
@@ -162,8 +162,16 @@ def _meta(statement: str, meta: str | None) -> str:
     return statement if meta is None else enqueue.WITH_META[statement]
 
 
-def _reserve_params(schema: str, count: int) -> dict[str, Any]:
-    return {"table": f'"{schema}".jobs', "count": count}
+def _table_params(schema: str) -> dict[str, Any]:
+    return {"table": f'"{schema}".jobs'}
+
+
+def _copied_ids(rows: Sequence[Sequence[Any]], count: int) -> list[int]:
+    """The ids JOB_COPY_IDS found, which must be one per job sent."""
+    ids = [int(row[0]) for row in rows]
+    if len(ids) != count:  # pragma: no cover - a broken invariant, never a user's error
+        raise RuntimeError(f"bulk enqueue copied {count} jobs but found {len(ids)} ids")
+    return ids
 
 
 def _unique_params(schema: str, spec: JobSpec, meta: str | None = None) -> dict[str, Any]:
@@ -173,8 +181,6 @@ def _unique_params(schema: str, spec: JobSpec, meta: str | None = None) -> dict[
         **_one_params(spec, meta),
         "unique_key": active,
         "unique_queued_key": queued,
-        "id": None,
-        "table": f'"{schema}".jobs',
     }
 
 
@@ -198,13 +204,14 @@ def _insert_windowed(conn: Conn, schema: str, spec: JobSpec, meta: str | None) -
         row = conn.execute(render(enqueue.JOB_WINDOW_TAKE, schema), window).fetchone()
         if row is None:
             continue  # taken meanwhile: read the holder
-        job_id = int(row[0])
-        if conn.execute(
-            render(_meta(enqueue.JOB_INSERT_UNIQUE, meta), schema), {**params, "id": job_id}
-        ).fetchone():
-            return job_id, True
+        stand_in = int(row[0])
+        row = conn.execute(
+            render(_meta(enqueue.JOB_INSERT_WINDOWED, meta), schema), {**params, "id": stand_in}
+        ).fetchone()
+        if row is not None:
+            return int(row[0]), True
         # A live job in the scope holds the key: no new job, so the window is not taken.
-        conn.execute(render(enqueue.JOB_WINDOW_GIVE_BACK, schema), {**window, "id": job_id})
+        conn.execute(render(enqueue.JOB_WINDOW_GIVE_BACK, schema), {**window, "id": stand_in})
         row = conn.execute(render(enqueue.JOB_FIND_UNIQUE, schema), params).fetchone()
         if row is not None:
             return int(row[0]), False
@@ -224,13 +231,14 @@ async def _insert_windowed_async(
         row = await cur.fetchone()
         if row is None:
             continue
-        job_id = int(row[0])
+        stand_in = int(row[0])
         cur = await conn.execute(
-            render(_meta(enqueue.JOB_INSERT_UNIQUE, meta), schema), {**params, "id": job_id}
+            render(_meta(enqueue.JOB_INSERT_WINDOWED, meta), schema), {**params, "id": stand_in}
         )
-        if await cur.fetchone():
-            return job_id, True
-        await conn.execute(render(enqueue.JOB_WINDOW_GIVE_BACK, schema), {**window, "id": job_id})
+        row = await cur.fetchone()
+        if row is not None:
+            return int(row[0]), True
+        await conn.execute(render(enqueue.JOB_WINDOW_GIVE_BACK, schema), {**window, "id": stand_in})
         cur = await conn.execute(render(enqueue.JOB_FIND_UNIQUE, schema), params)
         row = await cur.fetchone()
         if row is not None:
@@ -413,7 +421,7 @@ async def _insert_unique_many_async(
 def insert_jobs(
     conn: Conn, schema: str, specs: Sequence[JobSpec], *, meta: str | None = None
 ) -> list[int]:
-    """Reserve ids, then COPY: two round trips for any number of jobs. A batch with unique
+    """COPY, with the ids read back: three round trips for any number of jobs. A batch with unique
     jobs goes through INSERT ... ON CONFLICT instead (COPY cannot skip duplicates).
     ``meta`` is stored with every job of the batch."""
     if not specs:
@@ -423,17 +431,21 @@ def insert_jobs(
         return [insert_job(conn, schema, spec, meta=meta)[0] for spec in specs]
     if any(s.unique_key for s in specs):
         return _insert_unique_many(conn, schema, specs, meta)
-    row = conn.execute(
-        render(enqueue.JOB_IDS_RESERVE, schema), _reserve_params(schema, len(specs))
-    ).fetchone()
-    assert row is not None
-    now, ids = row
-    keyed = any(s.ordering_key for s in specs)
-    statement = _meta(enqueue.JOB_COPY_IN_KEYED if keyed else enqueue.JOB_COPY_IN, meta)
-    with conn.cursor().copy(render(statement, schema)) as copy:
-        for chunk in _copy_chunks(specs, ids, now, keyed=keyed, meta=meta):
-            copy.write(chunk)
-    return list(ids)
+    # Three statements that must meet one session (currval), which only a transaction
+    # guarantees behind a transaction-mode pooler; the caller's, if it has one.
+    with conn.transaction() if conn.autocommit else contextlib.nullcontext():
+        row = conn.execute(render(enqueue.JOB_COPY_BEGIN, schema), _table_params(schema)).fetchone()
+        assert row is not None
+        now, after = row
+        keyed = any(s.ordering_key for s in specs)
+        statement = _meta(enqueue.JOB_COPY_IN_KEYED if keyed else enqueue.JOB_COPY_IN, meta)
+        with conn.cursor().copy(render(statement, schema)) as copy:
+            for chunk in _copy_chunks(specs, now, keyed=keyed, meta=meta):
+                copy.write(chunk)
+        rows = conn.execute(
+            render(enqueue.JOB_COPY_IDS, schema), {**_table_params(schema), "after": after}
+        ).fetchall()
+    return _copied_ids(rows, len(specs))
 
 
 @_needs_schema_async
@@ -446,18 +458,21 @@ async def insert_jobs_async(
         return [(await insert_job_async(conn, schema, spec, meta=meta))[0] for spec in specs]
     if any(s.unique_key for s in specs):
         return await _insert_unique_many_async(conn, schema, specs, meta)
-    cur = await conn.execute(
-        render(enqueue.JOB_IDS_RESERVE, schema), _reserve_params(schema, len(specs))
-    )
-    row = await cur.fetchone()
-    assert row is not None
-    now, ids = row
-    keyed = any(s.ordering_key for s in specs)
-    statement = _meta(enqueue.JOB_COPY_IN_KEYED if keyed else enqueue.JOB_COPY_IN, meta)
-    async with conn.cursor().copy(render(statement, schema)) as copy:
-        for chunk in _copy_chunks(specs, ids, now, keyed=keyed, meta=meta):
-            await copy.write(chunk)
-    return list(ids)
+    async with conn.transaction() if conn.autocommit else contextlib.nullcontext():
+        cur = await conn.execute(render(enqueue.JOB_COPY_BEGIN, schema), _table_params(schema))
+        row = await cur.fetchone()
+        assert row is not None
+        now, after = row
+        keyed = any(s.ordering_key for s in specs)
+        statement = _meta(enqueue.JOB_COPY_IN_KEYED if keyed else enqueue.JOB_COPY_IN, meta)
+        async with conn.cursor().copy(render(statement, schema)) as copy:
+            for chunk in _copy_chunks(specs, now, keyed=keyed, meta=meta):
+                await copy.write(chunk)
+        cur = await conn.execute(
+            render(enqueue.JOB_COPY_IDS, schema), {**_table_params(schema), "after": after}
+        )
+        rows = await cur.fetchall()
+    return _copied_ids(rows, len(specs))
 
 
 def job_from_row(row: dict[str, Any]) -> Job:

@@ -32,12 +32,42 @@ class Use(StrEnum):
 
 _ALL = ("SELECT", "INSERT", "UPDATE", "DELETE")
 
+# The columns an enqueue writes, and no others (decision 021). Not the id: the table's
+# default gives it, so an id taken by hand can never collide with an application's
+# enqueue. Not the lease, attempts, errors or progress: only a worker writes those, so an
+# enqueue-only role cannot make a running row (jobs_lease_iff_running needs a worker and a
+# lease) nor a record a page or a rescue must distrust.
+ENQUEUE_COLUMNS = (
+    "queue",
+    "task",
+    "args",
+    "priority",
+    "run_at",
+    "state",
+    "max_attempts",
+    "unique_key",
+    "unique_queued_key",
+    "ordering_key",
+    "key_limit",
+    "key_rate",
+    "key_period",
+    "meta",
+)
+_ENQUEUE_INSERT = f"INSERT ({', '.join(ENQUEUE_COLUMNS)})"
+
 # What each use does to each table, and no more. TRUNCATE, REFERENCES and TRIGGER are
 # never granted; schema_migrations is written by the owner alone.
 TABLES: dict[str, dict[Use, tuple[str, ...]]] = {
     # Enqueue inserts and reads its jobs (a unique enqueue looks the holder up); the
     # worker claims, completes and rescues; the operator retries, cancels and deletes.
-    "jobs": {Use.WORKER: _ALL, Use.ENQUEUE: ("SELECT", "INSERT"), Use.ADMIN: _ALL},
+    # Every use inserts the enqueue columns only (a worker enqueues cron ticks and
+    # handlers' jobs through the same statements), so granting two uses to one role, in
+    # either order, gives the same.
+    "jobs": {
+        Use.WORKER: ("SELECT", _ENQUEUE_INSERT, "UPDATE", "DELETE"),
+        Use.ENQUEUE: ("SELECT", _ENQUEUE_INSERT),
+        Use.ADMIN: ("SELECT", _ENQUEUE_INSERT, "UPDATE", "DELETE"),
+    },
     # Completions and cancellations insert; results are read from here.
     "job_history": {
         Use.WORKER: ("SELECT", "INSERT"),
@@ -76,6 +106,12 @@ TABLES: dict[str, dict[Use, tuple[str, ...]]] = {
     },
 }
 
+# Privileges a role may hold from an earlier release and must not keep: GRANT only adds,
+# so these are revoked first (the table-wide INSERT on jobs, id included, that every use
+# had before its columns were listed). Revoking a table's privilege revokes it on each of
+# its columns too, so the GRANT that follows decides alone.
+REVOKED: dict[str, tuple[str, ...]] = {"jobs": ("INSERT",)}
+
 # Functions that are called (trigger functions are not: a trigger runs its function
 # without checking EXECUTE). Keyed by name, with the identity arguments.
 FUNCTIONS: dict[str, tuple[str, frozenset[Use]]] = {
@@ -100,6 +136,14 @@ def statements(schema: str, role: str, use: Use) -> list[str]:
     composed: list[sql.Composable] = [
         sql.SQL(grants.GRANT_SCHEMA_USAGE.strip()).format(schema=ident, role=grantee)
     ]
+    for table, revoked in REVOKED.items():
+        composed.append(
+            sql.SQL(grants.REVOKE_TABLE.strip()).format(
+                privileges=sql.SQL(", ").join(sql.SQL(p) for p in revoked),
+                table=sql.Identifier(schema, table),
+                role=grantee,
+            )
+        )
     for table, uses in TABLES.items():
         if uses[use]:
             composed.append(
@@ -135,12 +179,13 @@ def apply(conn: psycopg.Connection[Any], schema: str, role: str, use: Use) -> li
         check_schema_ready(conn, schema)
     except psycopg.errors.InsufficientPrivilege as exc:
         raise GrantError(_refused(str(exc).strip(), schema)) from None
-    # A GRANT by a role that holds a privilege without its grant option only warns; a
-    # role left with part of what it needs would fail later, far from here.
+    # A GRANT (or REVOKE) by a role that holds a privilege without its grant option only
+    # warns; a role left with part of what it needs (or with what it must not keep) would
+    # fail later, far from here.
     partial: list[str] = []
 
     def collect(notice: psycopg.errors.Diagnostic) -> None:
-        if notice.sqlstate == _WARNING_PRIVILEGE_NOT_GRANTED:
+        if notice.sqlstate in _WARNINGS_NOT_DONE:
             partial.append(notice.message_primary or "")
 
     conn.add_notice_handler(collect)
@@ -163,8 +208,9 @@ def apply(conn: psycopg.Connection[Any], schema: str, role: str, use: Use) -> li
     return applied
 
 
-# SQLSTATE 01007: "no privileges were granted" / "not all privileges were granted".
-_WARNING_PRIVILEGE_NOT_GRANTED = "01007"
+# SQLSTATE 01007: "no privileges were granted" / "not all privileges were granted";
+# 01006: the same of a REVOKE ("no privileges could be revoked").
+_WARNINGS_NOT_DONE = ("01007", "01006")
 
 
 def _refused(reason: str, schema: str) -> str:

@@ -17,12 +17,13 @@ RETURNING id
 # A unique job: the insert does nothing when a live job in the key's scope holds it. The
 # caller then looks the holder up with JOB_FIND_UNIQUE in a new statement: if the insert
 # waited on a concurrent holder, this statement's snapshot cannot see it.
+# No statement here names the id column: the id is the table's own default, so no id
+# written by hand can collide with it, and an enqueue-only role may not write one at all
+# (decision 021).
 JOB_INSERT_UNIQUE = """
-INSERT INTO {jobs} (id, queue, task, args, priority, run_at, state, max_attempts, unique_key,
+INSERT INTO {jobs} (queue, task, args, priority, run_at, state, max_attempts, unique_key,
                     unique_queued_key, ordering_key, key_limit, key_rate, key_period)
-SELECT coalesce(%(id)s::bigint,
-                nextval((SELECT pg_get_serial_sequence(%(table)s, 'id'))::regclass)),
-       %(queue)s, %(task)s, %(args)s::jsonb, %(priority)s, r,
+SELECT %(queue)s, %(task)s, %(args)s::jsonb, %(priority)s, r,
        CASE WHEN %(ordering_key)s::text IS NOT NULL THEN 'blocked'
             WHEN r > now() THEN 'scheduled' ELSE 'available' END,
        %(max_attempts)s, %(unique_key)s, %(unique_queued_key)s, %(ordering_key)s, %(key_limit)s,
@@ -32,9 +33,11 @@ ON CONFLICT DO NOTHING
 RETURNING id
 """
 
-# A windowed key (0009): take it for this job's id (reserved from the jobs sequence) if
-# nobody holds it or its window has passed. Nothing returned: held; JOB_FIND_WINDOW names
-# the holder. Taken, and then refused by the scope's index: JOB_WINDOW_GIVE_BACK.
+# A windowed key (0009): take it if nobody holds it or its window has passed. Nothing
+# returned: held; JOB_FIND_WINDOW names the holder. The window is taken for a stand-in id
+# from the jobs sequence (an id no job will ever have); JOB_INSERT_WINDOWED then inserts
+# the job and points the window at it, or, refused by the scope's index,
+# JOB_WINDOW_GIVE_BACK frees the window again.
 JOB_WINDOW_TAKE = """
 INSERT INTO {unique_windows} (key, job_id, expires_at)
 VALUES (%(unique_key)s,
@@ -45,6 +48,22 @@ SET job_id = EXCLUDED.job_id, expires_at = EXCLUDED.expires_at
 WHERE {unique_windows}.expires_at <= now()
 RETURNING job_id
 """
+
+# JOB_INSERT_UNIQUE, and the window just taken (for the stand-in %(id)s) handed to the new
+# job. Another table than the insert's, so the two writes of one statement cannot meet.
+JOB_INSERT_WINDOWED = (
+    """
+WITH job AS ("""
+    + JOB_INSERT_UNIQUE.strip()
+    + """
+), moved AS (
+    UPDATE {unique_windows} AS w SET job_id = job.id
+    FROM job
+    WHERE w.key = %(unique_key)s AND w.job_id = %(id)s
+)
+SELECT id FROM job
+"""
+)
 
 JOB_FIND_WINDOW = """
 SELECT job_id FROM {unique_windows} WHERE key = %(unique_key)s AND expires_at > now()
@@ -97,25 +116,44 @@ WHERE (unique_key = ANY(%(keys)s::text[]) AND state <> 'dead')
        AND state IN ('blocked', 'scheduled', 'available', 'retryable'))
 """
 
-# Bulk enqueue, step one: ids from the table's own sequence (so plain INSERTs never
-# collide with them) and the transaction's now(), which delays and the scheduled/available
-# choice are computed against, exactly as JOB_INSERT does in SQL.
-JOB_IDS_RESERVE = """
-SELECT now(), array(
-    SELECT nextval((SELECT pg_get_serial_sequence(%(table)s, 'id'))::regclass)
-    FROM generate_series(1, %(count)s))
+# Bulk enqueue, step one: the transaction's now(), which delays and the
+# scheduled/available choice are computed against, exactly as JOB_INSERT does in SQL, and
+# an id from the table's sequence that this session took last before the COPY: the COPY's
+# rows get theirs after it.
+JOB_COPY_BEGIN = """
+SELECT now(), nextval((SELECT pg_get_serial_sequence(%(table)s, 'id'))::regclass)
 """
 
-# Step two: COPY, the fastest way in. The statement-level insert trigger fires once for
-# the whole COPY, so workers get one notification per queue however many rows.
+# Step two: COPY, the fastest way in, without ids: each row takes the table's default, in
+# the order the rows are sent (decision 021: no id is written by hand, so none collides).
+# The statement-level insert trigger fires once for the whole COPY, so workers get one
+# notification per queue however many rows.
 JOB_COPY_IN = """
-COPY {jobs} (id, queue, task, args, priority, run_at, state, max_attempts) FROM STDIN
+COPY {jobs} (queue, task, args, priority, run_at, state, max_attempts) FROM STDIN
 """
 
 # The same with keys, used only when some job in the batch has one.
 JOB_COPY_IN_KEYED = """
-COPY {jobs} (id, queue, task, args, priority, run_at, state, max_attempts, ordering_key,
+COPY {jobs} (queue, task, args, priority, run_at, state, max_attempts, ordering_key,
              key_limit, key_rate, key_period) FROM STDIN
+"""
+
+# Step three: the ids the COPY's rows took, in the order they were sent. This session's
+# nextval calls ascend, so they lie after %(after)s (step one's) and up to currval, the
+# COPY's last row's. Other sessions take ids in between: their rows are told apart by
+# xmin, which for every row of one COPY is the same (sub)transaction's, the last row's.
+# A range of the primary key (three times cheaper than looking each id up): the range
+# holds the batch and the ids other sessions took meanwhile, and a plan that reads the
+# whole table instead is one where the batch is most of it.
+JOB_COPY_IDS = """
+WITH last AS (
+    SELECT currval((SELECT pg_get_serial_sequence(%(table)s, 'id'))::regclass) AS id
+)
+SELECT j.id
+FROM {jobs} AS j
+WHERE j.id > %(after)s AND j.id <= (SELECT id FROM last)
+  AND j.xmin = (SELECT k.xmin FROM {jobs} AS k WHERE k.id = (SELECT id FROM last))
+ORDER BY j.id
 """
 
 # The statements above with the jobs' meta (0017), used only when something is stored
@@ -128,6 +166,10 @@ _META_EDITS = {
         ("%(key_period)s\nFROM", "%(key_period)s, %(meta)s::jsonb\nFROM"),
     ),
     "JOB_INSERT_UNIQUE": (
+        ("key_period)\nSELECT", "key_period, meta)\nSELECT"),
+        ("%(key_period)s\nFROM", "%(key_period)s, %(meta)s::jsonb\nFROM"),
+    ),
+    "JOB_INSERT_WINDOWED": (
         ("key_period)\nSELECT", "key_period, meta)\nSELECT"),
         ("%(key_period)s\nFROM", "%(key_period)s, %(meta)s::jsonb\nFROM"),
     ),
@@ -151,6 +193,7 @@ def _with_meta(name: str) -> str:
 
 JOB_INSERT_META = _with_meta("JOB_INSERT")
 JOB_INSERT_UNIQUE_META = _with_meta("JOB_INSERT_UNIQUE")
+JOB_INSERT_WINDOWED_META = _with_meta("JOB_INSERT_WINDOWED")
 JOB_INSERT_MANY_UNIQUE_META = _with_meta("JOB_INSERT_MANY_UNIQUE")
 JOB_COPY_IN_META = _with_meta("JOB_COPY_IN")
 JOB_COPY_IN_KEYED_META = _with_meta("JOB_COPY_IN_KEYED")
@@ -158,6 +201,7 @@ JOB_COPY_IN_KEYED_META = _with_meta("JOB_COPY_IN_KEYED")
 WITH_META = {
     JOB_INSERT: JOB_INSERT_META,
     JOB_INSERT_UNIQUE: JOB_INSERT_UNIQUE_META,
+    JOB_INSERT_WINDOWED: JOB_INSERT_WINDOWED_META,
     JOB_INSERT_MANY_UNIQUE: JOB_INSERT_MANY_UNIQUE_META,
     JOB_COPY_IN: JOB_COPY_IN_META,
     JOB_COPY_IN_KEYED: JOB_COPY_IN_KEYED_META,

@@ -6,12 +6,20 @@ GRANT_SCHEMA_USAGE = """
 GRANT USAGE ON SCHEMA {schema} TO {role}
 """
 
+# Before a GRANT that must be all a role holds on a table (skiplock.grants.REVOKED).
+REVOKE_TABLE = """
+REVOKE {privileges} ON TABLE {table} FROM {role}
+"""
+
 GRANT_TABLE = """
 GRANT {privileges} ON TABLE {table} TO {role}
 """
 
-# Bulk and unique enqueues take ids from the jobs table's identity sequence (nextval needs
-# USAGE). Every sequence in the schema is such an id sequence.
+# A bulk enqueue takes an id from the jobs table's identity sequence before its COPY and
+# reads currval after it; a windowed unique enqueue takes one as its window's stand-in
+# (nextval and currval need USAGE). Taking ids by hand is harmless: no statement writes an
+# id (decision 021), so a skipped id is only a gap. Every sequence in the schema is such
+# an id sequence.
 GRANT_SEQUENCES = """
 GRANT USAGE ON ALL SEQUENCES IN SCHEMA {schema} TO {role}
 """

@@ -1,0 +1,31 @@
+-- skiplock 0019: an enqueue right that only enqueues (decision 021).
+--
+-- Until now `skiplock grant` gave INSERT on the whole jobs table, id and lease columns
+-- included: a role that only enqueues could take the ids the application's next
+-- enqueues would get (they then failed on the primary key, rolling back the
+-- application's transaction), or insert running rows under a made-up worker. Every role
+-- other than the owner that holds that table-wide INSERT keeps INSERT on the columns an
+-- enqueue writes (skiplock/grants.py, ENQUEUE_COLUMNS; a test compares the two lists)
+-- and loses the rest. Revoking the table's privilege revokes it on each column too.
+DO $$
+DECLARE
+    grantee_name text;
+BEGIN
+    FOR grantee_name IN
+        SELECT CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(r.rolname) END
+        FROM pg_class AS c
+        CROSS JOIN LATERAL aclexplode(c.relacl) AS a
+        LEFT JOIN pg_roles AS r ON r.oid = a.grantee
+        WHERE c.oid = 'jobs'::regclass
+          AND a.privilege_type = 'INSERT'
+          AND a.grantee <> c.relowner
+    LOOP
+        EXECUTE format('REVOKE INSERT ON TABLE jobs FROM %s', grantee_name);
+        EXECUTE format(
+            'GRANT INSERT (queue, task, args, priority, run_at, state, max_attempts, '
+            'unique_key, unique_queued_key, ordering_key, key_limit, key_rate, key_period, '
+            'meta) ON TABLE jobs TO %s',
+            grantee_name);
+    END LOOP;
+END
+$$;

@@ -1,0 +1,289 @@
+"""An enqueue-only role enqueues and does nothing else (decision 021), tested with three
+roles: the schema's owner (who migrated it), a worker role and an enqueue role, each as
+``skiplock grant`` sets it up.
+
+- It may not write a job's id: the application's own enqueues can never collide with an
+  id taken by hand, whichever path they take (single, unique, windowed, COPY).
+- It may not write what only a worker writes (worker_id, lease, attempts, errors, ...):
+  no row it writes is running, and no error record of its making reaches a page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import skiplock
+from conftest import WorkerThread
+from roles import Roles, login_roles
+from skiplock import grants
+from skiplock.grants import Use
+from skiplock.tasks import JobSpec
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def roles(database_url: str) -> Iterator[Roles]:
+    with login_roles(database_url) as created:
+        yield created
+
+
+@pytest.fixture
+def schema(database_url: str, scratch_schema: str) -> str:
+    skiplock.App(database_url, schema=scratch_schema).migrate()
+    return scratch_schema
+
+
+def granted(database_url: str, schema: str, roles: Roles, use: Use) -> str:
+    """A new login role with what ``skiplock grant --<use>`` gives; its URL."""
+    role, url = roles.create(use.value)
+    with psycopg.connect(database_url) as owner:
+        grants.apply(owner, schema, role, use)
+    return url
+
+
+SCHEMA_OF: dict[str, str] = {}
+
+
+@pytest.fixture
+def jobs(schema: str) -> str:
+    """The test's schema, for run() to name its jobs table."""
+    SCHEMA_OF["jobs"] = schema
+    return schema
+
+
+def run(conn: psycopg.Connection[Any], statement: str, *params: Any) -> list[tuple[Any, ...]]:
+    """``statement`` with {jobs} as the test schema's jobs table (literal braces doubled)."""
+    table = sql.Identifier(SCHEMA_OF["jobs"], "jobs")
+    cur = conn.execute(sql.SQL(statement).format(jobs=table), params or None)
+    return cur.fetchall() if cur.description else []
+
+
+def define(app: skiplock.App) -> Any:
+    """The task both sides know, as the enqueuing app's or the worker's."""
+
+    @app.task(name="echo")
+    def echo(n: int) -> int:
+        return n
+
+    return echo
+
+
+# -- ids: the enqueue role takes none by hand -----------------------------------------------
+
+
+def test_ids_taken_by_hand_never_make_the_applications_enqueues_collide(
+    database_url: str, schema: str, roles: Roles, jobs: str
+) -> None:
+    """The enqueue role writes rows with the ids the sequence will give next; the
+    application's enqueue (the same role, or any other) must still succeed."""
+    enqueue_url = granted(database_url, schema, roles, Use.ENQUEUE)
+    app = skiplock.App(enqueue_url, schema=schema)
+    echo = define(app)
+
+    with psycopg.connect(enqueue_url, autocommit=True) as hand:
+        (next_id,) = run(
+            hand, "SELECT nextval(pg_get_serial_sequence(%s, 'id'))", f"{schema}.jobs"
+        )[0]
+        for statement in (
+            "INSERT INTO {jobs} (id, task) SELECT i, 'echo' "
+            "FROM generate_series(%s::bigint + 1, %s::bigint + 100) AS i",
+            "INSERT INTO {jobs} (id, task) OVERRIDING SYSTEM VALUE "
+            "SELECT i, 'echo' FROM generate_series(%s::bigint + 101, %s::bigint + 200) AS i",
+        ):
+            with contextlib.suppress(psycopg.errors.InsufficientPrivilege):
+                run(hand, statement, next_id, next_id)
+
+    with app.connect() as conn:
+        ids = [int(echo.enqueue(conn, n=1))]
+        ids += app.enqueue_many(conn, [echo.job(n=n) for n in range(5)])
+        ids.append(int(echo.with_options(unique_key="k").enqueue(conn, n=2)))
+        ids.append(int(echo.with_options(unique_key="w", unique_window=60).enqueue(conn, n=3)))
+    assert len(set(ids)) == len(ids) == 8
+    with psycopg.connect(database_url, autocommit=True) as owner:
+        assert run(owner, "SELECT count(*) FROM {jobs} WHERE task = 'echo'") == [(8,)]
+
+
+# -- what a worker writes: never the enqueue role ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "columns, values",
+    [
+        # A made-up worker and a lease that never ends: no rescue would ever take it.
+        (
+            "state, worker_id, lease_expires_at",
+            "'running', gen_random_uuid(), 'infinity'",
+        ),
+        # Error records that are not what a worker writes (the pages read them).
+        ("state, errors", '\'dead\', \'[1, "x", {"no": "type"}]\''),
+        ("attempts", "5"),
+        ("retry_at", "'infinity'"),
+        ("progress", "'{\"a\": 1}'"),
+        ("claimed_ahead", "true"),
+        ("cancel_requested_at", "now()"),
+        ("started_at, worker_ids", "now(), ARRAY[gen_random_uuid()]"),
+        ("created_at", "'-infinity'"),
+        ("attempted_at", "now()"),
+    ],
+)
+def test_the_enqueue_role_may_not_write_what_only_workers_write(
+    database_url: str,
+    schema: str,
+    roles: Roles,
+    jobs: str,
+    columns: str,
+    values: str,
+) -> None:
+    enqueue_url = granted(database_url, schema, roles, Use.ENQUEUE)
+    with psycopg.connect(enqueue_url, autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            literal = values.replace("{", "{{").replace("}", "}}")
+            run(conn, f"INSERT INTO {{jobs}} (task, {columns}) VALUES ('echo', {literal})")
+        copy_in = sql.SQL("COPY {} (task, {}) FROM STDIN").format(
+            sql.Identifier(schema, "jobs"), sql.SQL(columns)
+        )
+        with (
+            pytest.raises(psycopg.errors.InsufficientPrivilege),
+            conn.cursor().copy(copy_in) as copy,
+        ):
+            copy.write("echo\t" + "\t".join("x" for _ in columns.split(",")) + "\n")
+    with psycopg.connect(database_url, autocommit=True) as owner:
+        assert run(owner, "SELECT count(*) FROM {jobs}") == [(0,)]
+
+
+# -- every enqueue path, as the enqueue role ---------------------------------------------------
+
+
+def test_every_enqueue_path_works_for_the_enqueue_role(
+    database_url: str, schema: str, roles: Roles, jobs: str
+) -> None:
+    enqueue_url = granted(database_url, schema, roles, Use.ENQUEUE)
+    worker_url = granted(database_url, schema, roles, Use.WORKER)
+    enqueuer = skiplock.App(enqueue_url, schema=schema)
+    worker_app = skiplock.App(worker_url, schema=schema)
+    define(worker_app)
+    echo_task = define(enqueuer)
+    expected: dict[int, int] = {}
+
+    def expect(job_id: int, n: int) -> None:
+        expected[int(job_id)] = n
+
+    with enqueuer.connect() as conn:
+        expect(echo_task.enqueue(conn, n=1), 1)
+        bulk = enqueuer.enqueue_many(conn, [echo_task.job(n=n) for n in range(10, 20)])
+        for n, job_id in zip(range(10, 20), bulk, strict=True):
+            expect(job_id, n)
+        keyed = [echo_task.with_options(ordering_key=f"k{n % 2}").job(n=n) for n in range(20, 24)]
+        for n, job_id in zip(range(20, 24), enqueuer.enqueue_many(conn, keyed), strict=True):
+            expect(job_id, n)
+        expect(echo_task.with_options(unique_key="a").enqueue(conn, n=30), 30)
+        assert int(echo_task.with_options(unique_key="a").enqueue(conn, n=31)) in expected
+        expect(
+            echo_task.with_options(unique_key="q", unique_scope="queued").enqueue(conn, n=32), 32
+        )
+        window = echo_task.with_options(unique_key="w", unique_window=3600)
+        first = int(window.enqueue(conn, n=33))
+        expect(first, 33)
+        assert int(window.enqueue(conn, n=34)) == first
+        unique_many = [echo_task.with_options(unique_key=f"m{n}").job(n=n) for n in range(40, 43)]
+        for n, job_id in zip(range(40, 43), enqueuer.enqueue_many(conn, unique_many), strict=True):
+            expect(job_id, n)
+        windows = [
+            echo_task.with_options(unique_key=f"wm{n}", unique_window=3600).job(n=n)
+            for n in range(50, 52)
+        ]
+        for n, job_id in zip(range(50, 52), enqueuer.enqueue_many(conn, windows), strict=True):
+            expect(job_id, n)
+        # Plain SQL, as the README shows it.
+        for statement, n in [
+            ("INSERT INTO {jobs} (task, args) VALUES ('echo', '{{\"n\": 60}}') RETURNING id", 60),
+            (
+                "INSERT INTO {jobs} (task, queue, max_attempts, args) "
+                "VALUES ('echo', 'default', 5, '{{\"n\": 61}}') RETURNING id",
+                61,
+            ),
+            (
+                "INSERT INTO {jobs} (task, args, run_at, state) "
+                "VALUES ('echo', '{{\"n\": 62}}', now(), 'scheduled') RETURNING id",
+                62,
+            ),
+            (
+                "INSERT INTO {jobs} (task, args, ordering_key, key_limit, state) "
+                "VALUES ('echo', '{{\"n\": 63}}', 'sql', 1, 'blocked') RETURNING id",
+                63,
+            ),
+        ]:
+            expect(run(conn, statement)[0][0], n)
+
+    async def enqueue_async() -> None:
+        async with await psycopg.AsyncConnection.connect(enqueue_url) as aconn:
+            expect(await echo_task.enqueue_async(aconn, n=70), 70)
+            ids = await enqueuer.enqueue_many_async(aconn, [echo_task.job(n=n) for n in (71, 72)])
+            expect(ids[0], 71)
+            expect(ids[1], 72)
+            window_async = echo_task.with_options(unique_key="wa", unique_window=3600)
+            expect(await window_async.enqueue_async(aconn, n=73), 73)
+
+    asyncio.run(enqueue_async())
+
+    handle = WorkerThread(
+        skiplock.Worker(worker_app, poll_interval=0.05, rescue_interval=0.05, concurrency=4)
+    ).start()
+    try:
+        for job_id, n in expected.items():
+            assert enqueuer.result(job_id, timeout=30) == n, job_id
+    finally:
+        handle.stop()
+
+
+def test_bulk_ids_come_back_in_order_while_other_sessions_take_ids(
+    database_url: str, schema: str, roles: Roles, jobs: str
+) -> None:
+    """A bulk enqueue's ids come from the sequence as its rows are copied in, while other
+    sessions take ids too: each id returned is its own job's."""
+    enqueue_url = granted(database_url, schema, roles, Use.ENQUEUE)
+    app = skiplock.App(enqueue_url, schema=schema)
+    stop = threading.Event()
+
+    def interleave() -> None:
+        with psycopg.connect(enqueue_url, autocommit=True) as other:
+            while not stop.is_set():
+                run(other, "INSERT INTO {jobs} (task) SELECT 'other' FROM generate_series(1, 3)")
+
+    others = [threading.Thread(target=interleave) for _ in range(2)]
+    for thread in others:
+        thread.start()
+    try:
+        for _ in range(3):
+            specs = [
+                JobSpec(
+                    task="echo",
+                    args_json=json.dumps({"n": n}),
+                    queue="bulk",
+                    priority=0,
+                    max_attempts=3,
+                )
+                for n in range(3000)
+            ]
+            with app.connect() as conn:
+                ids = app.enqueue_many(conn, specs)
+            with psycopg.connect(database_url, autocommit=True) as owner:
+                rows = dict(
+                    run(owner, "SELECT id, (args ->> 'n')::int FROM {jobs} WHERE id = ANY(%s)", ids)
+                )
+            assert [rows[i] for i in ids] == list(range(3000))
+            assert len(set(ids)) == 3000
+    finally:
+        stop.set()
+        for thread in others:
+            thread.join(10)
