@@ -707,6 +707,8 @@ class Worker:
             "queues": self.queues,
             "concurrency": self.concurrency,
             "holds_lock": self.liveness_lock,
+            # Leases further ahead than this were not written by this worker (0019).
+            "lease_seconds": self.lease_seconds,
             # Only the services that were restarted: a healthy worker reports {}.
             "service_restarts": Jsonb({k: n for k, n in self.service_restarts.items() if n}),
         }
