@@ -6,6 +6,8 @@ roles: the schema's owner (who migrated it), a worker role and an enqueue role, 
   id taken by hand, whichever path they take (single, unique, windowed, COPY).
 - It may not write what only a worker writes (worker_id, lease, attempts, errors, ...):
   no row it writes is running, and no error record of its making reaches a page.
+- Rows in a state no worker created, whoever wrote them (running under no registered
+  worker, a lease longer than its worker's own), are rescued by the leader.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from psycopg import sql
 import skiplock
 from conftest import WorkerThread
 from roles import Roles, login_roles
-from skiplock import grants
+from skiplock import client, grants
 from skiplock.grants import Use
 from skiplock.tasks import JobSpec
 
@@ -159,6 +161,71 @@ def test_the_enqueue_role_may_not_write_what_only_workers_write(
             copy.write("echo\t" + "\t".join("x" for _ in columns.split(",")) + "\n")
     with psycopg.connect(database_url, autocommit=True) as owner:
         assert run(owner, "SELECT count(*) FROM {jobs}") == [(0,)]
+
+
+def test_a_running_row_with_a_made_up_worker_does_not_stall_a_limited_queue(
+    database_url: str, schema: str, roles: Roles, jobs: str
+) -> None:
+    """Written by a role that may (the owner here: the enqueue role no longer can), a
+    running row under a worker that never registered, with a lease that never ends, held
+    the only slot of a queue limited to one running job: the queue stalled for good. The
+    leader rescues it like a dead worker's job."""
+    worker_url = granted(database_url, schema, roles, Use.WORKER)
+    enqueue_url = granted(database_url, schema, roles, Use.ENQUEUE)
+    with psycopg.connect(database_url, autocommit=True) as owner:
+        client.set_queue_limits(owner, schema, "default", concurrency=1)
+        (stray,) = run(
+            owner,
+            "INSERT INTO {jobs} (task, args, state, attempts, worker_id, lease_expires_at) "
+            "VALUES ('echo', '{{\"n\": 21}}', 'running', 1, gen_random_uuid(), 'infinity') "
+            "RETURNING id",
+        )[0]
+    enqueuer = skiplock.App(enqueue_url, schema=schema)
+    worker_app = skiplock.App(worker_url, schema=schema)
+    define(worker_app)
+    with enqueuer.connect() as conn:
+        job = int(define(enqueuer).enqueue(conn, n=1))
+    handle = WorkerThread(
+        skiplock.Worker(worker_app, poll_interval=0.05, rescue_interval=0.05, lease_seconds=2)
+    ).start()
+    try:
+        assert enqueuer.result(job, timeout=20) == 1
+        assert enqueuer.result(stray, timeout=20) == 21
+    finally:
+        handle.stop()
+    with psycopg.connect(database_url, autocommit=True) as owner:
+        (errors,) = owner.execute(
+            sql.SQL("SELECT errors FROM {} WHERE id = %s").format(
+                sql.Identifier(schema, "job_history")
+            ),
+            (stray,),
+        ).fetchone() or (None,)
+    assert [e["type"] for e in errors] == ["WorkerUnknown"]
+
+
+def test_a_lease_longer_than_its_workers_own_is_rescued(
+    database_url: str, schema: str, roles: Roles, jobs: str
+) -> None:
+    """A live, registered worker writes leases of its own length (2 s here); a row under
+    its id whose lease ends in a year was written by someone else, and the worker will
+    never run it (it is not among its jobs): rescued, not left to block the queue."""
+    worker_url = granted(database_url, schema, roles, Use.WORKER)
+    worker_app = skiplock.App(worker_url, schema=schema)
+    define(worker_app)
+    worker = skiplock.Worker(worker_app, poll_interval=0.05, rescue_interval=0.05, lease_seconds=2)
+    handle = WorkerThread(worker).start()
+    try:
+        with psycopg.connect(database_url, autocommit=True) as owner:
+            (stray,) = run(
+                owner,
+                "INSERT INTO {jobs} (task, args, state, attempts, worker_id, lease_expires_at) "
+                "VALUES ('echo', '{{\"n\": 4}}', 'running', 1, %s, now() + interval '1 year') "
+                "RETURNING id",
+                worker.id,
+            )[0]
+        assert worker_app.result(stray, timeout=20) == 4
+    finally:
+        handle.stop()
 
 
 # -- every enqueue path, as the enqueue role ---------------------------------------------------

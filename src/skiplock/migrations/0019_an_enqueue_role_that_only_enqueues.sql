@@ -1,5 +1,16 @@
--- skiplock 0019: an enqueue right that only enqueues (decision 021).
+-- skiplock 0019: an enqueue right that only enqueues, and leases a worker could write
+-- (decision 021).
 --
+-- Each worker registers the length of the leases it writes, so the rescuer can tell a
+-- lease its worker wrote from one written by hand: a worker's lease never ends more than
+-- that far ahead. NULL: a worker of an earlier release (no such test for its jobs).
+-- A name without a default: no table rewrite; the lock_timeout keeps this from queueing
+-- behind a long transaction on the table (and every heartbeat behind this).
+
+SET LOCAL lock_timeout = '5s';
+
+ALTER TABLE workers ADD COLUMN lease_seconds double precision;
+
 -- Until now `skiplock grant` gave INSERT on the whole jobs table, id and lease columns
 -- included: a role that only enqueues could take the ids the application's next
 -- enqueues would get (they then failed on the primary key, rolling back the

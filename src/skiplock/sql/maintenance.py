@@ -135,8 +135,24 @@ SELECT NULL, count(*), NULL::void FROM ended HAVING count(*) > 0
 """
 )
 
-# A job whose cancellation was asked for while its worker died (or hung past its lease)
-# is not rescued: it ends cancelled, as asked.
+# A running row that no live worker wrote (decision 021): its worker is not registered
+# and holds no liveness lock (a made-up id, or a worker gone before a rescue saw it), or
+# its lease ends further ahead than its worker's leases ever do (workers.lease_seconds:
+# a worker writes now() + that, and clock_timestamp() is past the writer's now()). Such a
+# row would otherwise wait for a lease that may never end ('infinity'), holding a slot of
+# a limited queue. Never the rescuer's own worker: its own try-lock would succeed (see
+# WORKERS_GONE). CASE: the try-lock only for rows whose worker is not registered.
+_STRAY = """(
+    CASE WHEN NOT EXISTS (SELECT 1 FROM {workers} AS w WHERE w.id = j.worker_id)
+              AND j.worker_id <> %(worker_id)s
+         THEN pg_try_advisory_xact_lock(hashtextextended(j.worker_id::text, 0))
+         ELSE false END
+    OR j.lease_expires_at > clock_timestamp() + interval '1 second'
+       + (SELECT w.lease_seconds FROM {workers} AS w WHERE w.id = j.worker_id)
+         * interval '1 second')"""
+
+# A job whose cancellation was asked for while its worker died (or hung past its lease,
+# or never existed) is not rescued: it ends cancelled, as asked.
 JOB_CANCEL_ABANDONED = (
     """
 WITH cancelled AS (
@@ -144,8 +160,9 @@ WITH cancelled AS (
     WHERE id = ANY(ARRAY(
         SELECT id FROM {jobs} AS j
         WHERE state = 'running' AND cancel_requested_at IS NOT NULL
-          AND (lease_expires_at < now()
-               OR NOT EXISTS (SELECT 1 FROM {workers} AS w WHERE w.id = j.worker_id))
+          AND (lease_expires_at < now() OR """
+    + _STRAY
+    + """)
         FOR UPDATE SKIP LOCKED))
     RETURNING *
 )"""
@@ -167,6 +184,31 @@ SET"""
 WHERE id = ANY(ARRAY(
     SELECT id FROM {jobs}
     WHERE state = 'running' AND lease_expires_at < now() AND cancel_requested_at IS NULL
+    FOR UPDATE SKIP LOCKED))
+RETURNING queue, priority, run_at
+)"""
+    + NOTIFY_MOVED
+)
+
+# Running rows no live worker wrote (_STRAY), given back like a dead worker's jobs.
+JOB_RESCUE_STRAY = (
+    """
+WITH moved AS (
+UPDATE {jobs}
+SET"""
+    + _rescued_columns(
+        "WorkerUnknown",
+        """CASE WHEN EXISTS (SELECT 1 FROM {workers} AS w WHERE w.id = worker_id)
+             THEN 'a lease longer than worker ' || worker_id::text || ' writes'
+             ELSE 'running under worker ' || worker_id::text
+                  || ', which is not registered' END""",
+    )
+    + """
+WHERE id = ANY(ARRAY(
+    SELECT id FROM {jobs} AS j
+    WHERE state = 'running' AND cancel_requested_at IS NULL AND """
+    + _STRAY
+    + """
     FOR UPDATE SKIP LOCKED))
 RETURNING queue, priority, run_at
 )"""
@@ -235,13 +277,18 @@ ON CONFLICT (id) DO UPDATE SET last_seen_at = now()
 
 # The rescuer removes the registration of a worker it took for dead (its listener was
 # reconnecting, say); touching re-registers it. Each touch also reports how often each of
-# the worker's services was restarted (0013).
+# the worker's services was restarted (0013), and the length of the leases it writes
+# (0019: the rescuer takes a lease further ahead than that for one no worker wrote,
+# JOB_RESCUE_STRAY; until the first touch, a beat after registering, it is NULL and no
+# lease of the worker is taken for such).
 WORKER_TOUCH = """
-INSERT INTO {workers} (id, host, pid, queues, concurrency, holds_lock, service_restarts)
+INSERT INTO {workers} (id, host, pid, queues, concurrency, holds_lock, lease_seconds,
+                       service_restarts)
 VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(concurrency)s, %(holds_lock)s,
-        %(service_restarts)s)
+        %(lease_seconds)s, %(service_restarts)s)
 ON CONFLICT (id) DO UPDATE
-SET last_seen_at = now(), service_restarts = EXCLUDED.service_restarts
+SET last_seen_at = now(), service_restarts = EXCLUDED.service_restarts,
+    lease_seconds = EXCLUDED.lease_seconds
 """
 
 # The heartbeat: push the lease forward for every job this worker still holds. A job

@@ -120,9 +120,9 @@ class LeaderService(PeriodicService):
 
 class Rescue(LeaderService):
     """Give back the jobs of dead workers (by liveness lock, every pass; those whose
-    cancellation was asked for end cancelled) and of expired leases (every
-    ``expired_every``: that scan walks the running index, which grows while VACUUM is held
-    back)."""
+    cancellation was asked for end cancelled), and every ``expired_every`` those of
+    expired leases and the running rows no live worker wrote (decision 021): those scans
+    walk the running index, which grows while VACUUM is held back."""
 
     name = "rescue"
 
@@ -140,13 +140,14 @@ class Rescue(LeaderService):
         super().__init__(leadership, tick)
         self._pool = pool
         self._worker_id = worker_id  # never taken for gone by its own rescue
-        self._params = {"channel": notify_channel(schema)}
+        self._params = {"channel": notify_channel(schema), "worker_id": worker_id}
         self._expired_every = expired_every
         self._on_rescued = on_rescued
         self._gone = render(maintenance.WORKERS_GONE, schema)
         self._orphaned = render(maintenance.JOB_RESCUE_ORPHANED, schema)
         self._expired = [
             render(maintenance.JOB_RESCUE_EXPIRED, schema),
+            render(maintenance.JOB_RESCUE_STRAY, schema),
             render(maintenance.JOB_CANCEL_ABANDONED, schema),
         ]
         self._next_expired = 0.0
@@ -157,8 +158,9 @@ class Rescue(LeaderService):
         now = asyncio.get_running_loop().time()
         statements = []
         if now >= self._next_expired:
-            # Both walk the running index; every half lease is soon enough for a hung
-            # worker's jobs and for cancellations whose worker is gone.
+            # Each walks the running index; every half lease is soon enough for a hung
+            # worker's jobs, for rows no worker wrote and for cancellations whose worker
+            # is gone.
             self._next_expired = now + self._expired_every
             statements = self._expired
         rescued = 0
