@@ -22,11 +22,15 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from sqlalchemy import create_engine
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.orm import Session
 
 import skiplock
 from conftest import WorkerThread
 from roles import Roles, login_roles
 from skiplock import client, grants
+from skiplock.contrib import sqlalchemy as contrib
 from skiplock.grants import Use
 from skiplock.tasks import JobSpec
 
@@ -354,3 +358,38 @@ def test_bulk_ids_come_back_in_order_while_other_sessions_take_ids(
         stop.set()
         for thread in others:
             thread.join(10)
+
+
+def test_sqlalchemy_sessions_enqueue_as_the_enqueue_role(
+    database_url: str, schema: str, roles: Roles, jobs: str
+) -> None:
+    """skiplock.contrib.sqlalchemy enqueues through the same statements, in the session's
+    transaction: single and bulk, sync and async, as the enqueue role."""
+    enqueue_url = granted(database_url, schema, roles, Use.ENQUEUE)
+    app = skiplock.App(enqueue_url, schema=schema)
+    echo = define(app)
+    engine = create_engine("postgresql+psycopg://", creator=lambda: psycopg.connect(enqueue_url))
+    with Session(engine) as session, session.begin():
+        ids = [int(contrib.enqueue(session, echo, n=1))]
+        ids += contrib.enqueue_many(session, [echo.job(n=n) for n in (2, 3)], app=app)
+
+    async def enqueue_async() -> list[int]:
+        async def connect() -> psycopg.AsyncConnection[Any]:
+            return await psycopg.AsyncConnection.connect(enqueue_url)
+
+        aengine = create_async_engine("postgresql+psycopg://", async_creator=connect)
+        try:
+            async with AsyncSession(aengine) as session, session.begin():
+                made = [int(await contrib.enqueue_async(session, echo, n=4))]
+                made += await contrib.enqueue_many_async(session, [echo.job(n=5)], app=app)
+                return made
+        finally:
+            await aengine.dispose()
+
+    ids += asyncio.run(enqueue_async())
+    engine.dispose()
+    with psycopg.connect(database_url, autocommit=True) as owner:
+        rows = dict(
+            run(owner, "SELECT id, (args ->> 'n')::int FROM {jobs} WHERE id = ANY(%s)", ids)
+        )
+    assert [rows[i] for i in ids] == [1, 2, 3, 4, 5]
