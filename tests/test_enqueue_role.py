@@ -108,6 +108,10 @@ def test_ids_taken_by_hand_never_make_the_applications_enqueues_collide(
         ):
             with contextlib.suppress(psycopg.errors.InsufficientPrivilege):
                 run(hand, statement, next_id, next_id)
+        # Nor can it move the sequence back to hand out ids that are taken (USAGE gives
+        # nextval and currval only).
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            run(hand, "SELECT setval(pg_get_serial_sequence(%s, 'id'), 1)", f"{schema}.jobs")
 
     with app.connect() as conn:
         ids = [int(echo.enqueue(conn, n=1))]
