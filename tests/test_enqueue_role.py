@@ -1,4 +1,4 @@
-"""An enqueue-only role enqueues and does nothing else (decision 021), tested with three
+"""An enqueue-only role enqueues and does nothing else (decision 022), tested with three
 roles: the schema's owner (who migrated it), a worker role and an enqueue role, each as
 ``skiplock grant`` sets it up.
 

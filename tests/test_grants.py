@@ -75,7 +75,7 @@ def test_each_use_gets_schema_usage_and_only_its_own_privileges() -> None:
         assert printed[0] == 'GRANT USAGE ON SCHEMA "my_schema" TO "app-worker"'
         assert 'GRANT SELECT ON TABLE "my_schema"."schema_migrations" TO "app-worker"' in printed
         # The table-wide INSERT of earlier releases goes first; every use then inserts
-        # the enqueue columns only, never an id (decision 021).
+        # the enqueue columns only, never an id (decision 022).
         assert printed[1] == 'REVOKE INSERT ON TABLE "my_schema"."jobs" FROM "app-worker"'
         assert not any(s.startswith("GRANT") and "INSERT," in s and '"jobs"' in s for s in printed)
     assert "id" not in grants.ENQUEUE_COLUMNS and "worker_id" not in grants.ENQUEUE_COLUMNS

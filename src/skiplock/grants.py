@@ -32,7 +32,7 @@ class Use(StrEnum):
 
 _ALL = ("SELECT", "INSERT", "UPDATE", "DELETE")
 
-# The columns an enqueue writes, and no others (decision 021). Not the id: the table's
+# The columns an enqueue writes, and no others (decision 022). Not the id: the table's
 # default gives it, so an id taken by hand can never collide with an application's
 # enqueue. Not the lease, attempts, errors or progress: only a worker writes those, so an
 # enqueue-only role cannot make a running row (jobs_lease_iff_running needs a worker and a

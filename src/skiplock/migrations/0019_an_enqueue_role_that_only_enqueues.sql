@@ -1,5 +1,5 @@
 -- skiplock 0019: an enqueue right that only enqueues, and leases a worker could write
--- (decision 021).
+-- (decision 022).
 --
 -- Each worker registers the length of the leases it writes, so the rescuer can tell a
 -- lease its worker wrote from one written by hand: a worker's lease never ends more than

@@ -19,7 +19,7 @@ RETURNING id
 # waited on a concurrent holder, this statement's snapshot cannot see it.
 # No statement here names the id column: the id is the table's own default, so no id
 # written by hand can collide with it, and an enqueue-only role may not write one at all
-# (decision 021).
+# (decision 022).
 JOB_INSERT_UNIQUE = """
 INSERT INTO {jobs} (queue, task, args, priority, run_at, state, max_attempts, unique_key,
                     unique_queued_key, ordering_key, key_limit, key_rate, key_period)
@@ -125,7 +125,7 @@ SELECT now(), nextval((SELECT pg_get_serial_sequence(%(table)s, 'id'))::regclass
 """
 
 # Step two: COPY, the fastest way in, without ids: each row takes the table's default, in
-# the order the rows are sent (decision 021: no id is written by hand, so none collides).
+# the order the rows are sent (decision 022: no id is written by hand, so none collides).
 # The statement-level insert trigger fires once for the whole COPY, so workers get one
 # notification per queue however many rows.
 JOB_COPY_IN = """

@@ -18,7 +18,7 @@ GRANT {privileges} ON TABLE {table} TO {role}
 # A bulk enqueue takes an id from the jobs table's identity sequence before its COPY and
 # reads currval after it; a windowed unique enqueue takes one as its window's stand-in
 # (nextval and currval need USAGE). Taking ids by hand is harmless: no statement writes an
-# id (decision 021), so a skipped id is only a gap. Every sequence in the schema is such
+# id (decision 022), so a skipped id is only a gap. Every sequence in the schema is such
 # an id sequence.
 GRANT_SEQUENCES = """
 GRANT USAGE ON ALL SEQUENCES IN SCHEMA {schema} TO {role}

@@ -135,7 +135,7 @@ SELECT NULL, count(*), NULL::void FROM ended HAVING count(*) > 0
 """
 )
 
-# A running row that no live worker wrote (decision 021): its worker is not registered
+# A running row that no live worker wrote (decision 022): its worker is not registered
 # and holds no liveness lock (a made-up id, or a worker gone before a rescue saw it), or
 # its lease ends further ahead than its worker's leases ever do (workers.lease_seconds:
 # a worker writes now() + that, and clock_timestamp() is past the writer's now()). Such a

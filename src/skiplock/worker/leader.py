@@ -121,7 +121,7 @@ class LeaderService(PeriodicService):
 class Rescue(LeaderService):
     """Give back the jobs of dead workers (by liveness lock, every pass; those whose
     cancellation was asked for end cancelled), and every ``expired_every`` those of
-    expired leases and the running rows no live worker wrote (decision 021): those scans
+    expired leases and the running rows no live worker wrote (decision 022): those scans
     walk the running index, which grows while VACUUM is held back."""
 
     name = "rescue"
