@@ -211,6 +211,11 @@ class Completer:
     def backlog(self) -> int:
         return len(self._pending)
 
+    def pending_ids(self) -> set[int]:
+        """Jobs whose outcome is not written yet: still running in the database, and this
+        worker's (the heartbeat must not give them back)."""
+        return {outcome.job_id for outcome in self._pending}
+
     async def wait_drained(self) -> None:
         await self._drained.wait()
 
