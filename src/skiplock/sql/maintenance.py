@@ -325,3 +325,67 @@ FROM held
 WORKER_DEREGISTER = """
 DELETE FROM {workers} WHERE id = %(id)s
 """
+
+
+# -- Reconciliation (worker/heartbeat.py) ------------------------------------------------
+# A live worker can hold, in the database, jobs it does not run: the answer of a claim
+# lost with its connection after the claim committed, or an outcome written and then lost
+# (an asynchronous failover). Neither liveness (the worker is alive) nor the lease (only
+# once it ends) gives them back soon; the worker's heartbeat compares and gives them back.
+
+# The database's clock, read by the heartbeat as it begins to compare, in the transaction
+# that compares: a claim sent after the answer came back starts later on the server, so
+# every job it claims has an attempted_at at or after this (now() is the transaction's
+# start, earlier still). Rows claimed before it come from claims whose answers the worker
+# has read, or lost. In the same round trip, the comparison's statements get a bound of
+# their own, shorter than the heartbeat's: a slow one must not hold up the next beat.
+DATABASE_CLOCK_READ = """
+SELECT now(), set_config('statement_timeout', %(statement_timeout)s, true)
+"""
+
+# The jobs running under this worker in the database that it does not know: neither
+# running nor waiting for a slot there (held), nor with an outcome still to write, and
+# claimed before %(before)s (the oldest claim of the worker still in flight cannot have
+# claimed them). A plain read: no lock, never waits. It walks this worker's entries of the
+# jobs_running index, which while VACUUM is held back include every job the worker ran
+# since: about the cost of the leader's pass over expired leases, once a beat per worker.
+# A row written by hand with no attempted_at was claimed by no claim of the worker's.
+JOB_RUNNING_UNKNOWN = """
+SELECT id, attempts, cancel_requested_at IS NOT NULL
+FROM {jobs}
+WHERE state = 'running' AND worker_id = %(worker_id)s
+  AND id <> ALL(%(known)s::bigint[])
+  AND coalesce(attempted_at, '-infinity') < %(before)s
+ORDER BY id
+"""
+
+# Give those jobs back, as rescue gives back a dead worker's (_rescued_columns): a job
+# still marked claimed ahead never started and gets its attempt back (once in a row,
+# decision 015); any other may have run (its outcome lost), so the attempt counts, and a
+# job out of attempts is dead. Fenced on worker and attempt, as read above: a job given
+# back meanwhile and claimed again (by this worker too) has another attempt. SKIP LOCKED:
+# a row another transaction holds is left for the next beat. A job whose cancellation
+# was asked for is not given back here: it ends cancelled (complete.py's
+# JOB_CANCEL_MANY_IF_LEASED, written for it as its worker would have).
+JOB_GIVE_BACK_UNKNOWN = (
+    """
+WITH moved AS (
+    UPDATE {jobs} AS j
+    SET"""
+    + _rescued_columns(
+        "Reconciled",
+        "'worker ' || worker_id::text || ' was not running it (a claim''s answer or an "
+        "outcome was lost)'",
+    )
+    + """
+    WHERE j.id = ANY(ARRAY(
+        SELECT k.id FROM {jobs} AS k
+        WHERE k.id = ANY(%(ids)s::bigint[])
+        FOR UPDATE SKIP LOCKED))
+      AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
+      AND j.worker_id = %(worker_id)s
+      AND j.cancel_requested_at IS NULL
+    RETURNING queue, priority, run_at
+)"""
+    + NOTIFY_MOVED
+)

@@ -1,10 +1,16 @@
-"""Heartbeats: this worker's registration, its leases and its jobs' progress.
+"""Heartbeats: this worker's registration, its leases, its jobs' progress, and what the
+database says it runs against what it runs.
 
 On a connection of its own (not the pool) and in a loop of its own, so that no other duty
 ever delays it: a leader statement waiting on a user's row lock, a busy pool, a slow
 claim. A heartbeat that does not arrive lets the lease run out, and the job runs twice.
 Its statements have bounds of their own (timeouts.heartbeat_bounds): one that waits too
 long is given up and sent again at the next beat, still well inside the lease.
+
+Each beat also gives back, at once, the jobs running under this worker in the database
+that it does not run (a claim's answer or an outcome lost with a connection, or in an
+asynchronous failover). Its worker alive, no rescue would take them until their lease
+ran out, and a lease can be long (docs/failover.md).
 """
 
 from __future__ import annotations
@@ -12,16 +18,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections import deque
+from collections.abc import Awaitable, Callable, Collection
+from datetime import datetime
+from typing import Any, TypeVar
 from uuid import UUID
 
 import psycopg
 
 from skiplock.completer import fenced_batch
+from skiplock.config import done_channel, notify_channel
 from skiplock.sql import complete, maintenance, render
 from skiplock.worker.liveness import session_kwargs
-from skiplock.worker.supervisor import PeriodicService
+from skiplock.worker.supervisor import PeriodicService, describe
 from skiplock.worker.timeouts import heartbeat_bounds
 
 log = logging.getLogger("skiplock.worker.heartbeat")
@@ -29,6 +38,41 @@ log = logging.getLogger("skiplock.worker.heartbeat")
 # The lease-mode jobs this worker runs: id -> (attempt, the task running it). Shared with
 # the worker, which adds and removes them.
 Leased = dict[int, tuple[int, "asyncio.Task[None]"]]
+
+# Readings of the database's clock kept, to find one older than the oldest claim in flight.
+CLOCK_READINGS = 8
+
+A = TypeVar("A")
+R = TypeVar("R")
+
+
+class ClaimsInFlight:
+    """The claims this worker has sent whose answers it has not read yet, by when each
+    was sent (monotonic seconds). What they claimed is running under this worker in the
+    database and not yet in ``held``: the heartbeat must not give it back."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, float] = {}
+        self._count = 0
+
+    def track(self, fetch: Callable[[A], Awaitable[R]]) -> Callable[[A], Awaitable[R]]:
+        """``fetch`` (a producer's claim), counted as in flight from its call until it
+        returns (its jobs are in ``held`` by then) or raises (its answer is lost)."""
+
+        async def tracked(arg: A) -> R:
+            self._count += 1
+            key = self._count
+            self._sent[key] = time.monotonic()
+            try:
+                return await fetch(arg)
+            finally:
+                del self._sent[key]
+
+        return tracked
+
+    def oldest(self) -> float | None:
+        """When the oldest claim still in flight was sent; None when none is."""
+        return min(self._sent.values(), default=None)
 
 
 class Heartbeat(PeriodicService):
@@ -55,6 +99,8 @@ class Heartbeat(PeriodicService):
         on_connect: Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]] | None = None,
         on_beat: Callable[[float], None] | None = None,
         connect_kwargs: dict[str, Any] | None = None,
+        claims: ClaimsInFlight | None = None,
+        settling: Callable[[], Collection[int] | None] | None = None,
     ) -> None:
         self._url = database_url
         # The bounds go in ``options``; behind a pooler none, and no prepared statements
@@ -75,6 +121,24 @@ class Heartbeat(PeriodicService):
         self._on_lost = on_lost
         self._on_connect = on_connect
         self._on_beat = on_beat
+        # Reconciliation (run only when ``settling`` is given): the claims in flight, and
+        # the jobs not in ``held`` whose rows the worker still means to write (outcomes
+        # not yet flushed), or None while it must not give anything back (stopping: the
+        # drain gives back what it holds, by its own rules).
+        self._claims = claims if claims is not None else ClaimsInFlight()
+        self._settling = settling
+        self._clock: deque[tuple[float, datetime]] = deque(maxlen=CLOCK_READINGS)
+        self._clock_read = render(maintenance.DATABASE_CLOCK_READ, schema)
+        self._unknown = render(maintenance.JOB_RUNNING_UNKNOWN, schema)
+        self._give_back = render(maintenance.JOB_GIVE_BACK_UNKNOWN, schema)
+        self._cancel = render(complete.JOB_CANCEL_MANY_IF_LEASED, schema)
+        self._done = render(complete.JOBS_DONE_NOTIFY, schema)
+        self._channel = notify_channel(schema)
+        self._done_channel = done_channel(schema)
+        # Jobs given back because this worker did not run them, since it started.
+        self.given_back = 0
+        self._reconcile_ms = max(int(min(max(every / 2, 0.5), 2 * every) * 1000), 1)
+        self._reconcile_failed = False
         self._touch = render(maintenance.WORKER_TOUCH, schema)
         self._extend = render(maintenance.JOB_EXTEND_LEASES_SKIP_LOCKED, schema)
         self._progress = render(complete.JOB_PROGRESS_SET, schema)
@@ -130,11 +194,31 @@ class Heartbeat(PeriodicService):
 
     async def beat(self, conn: psycopg.AsyncConnection[Any] | None = None) -> None:
         """Touch the registration and extend this worker's leases; stop the jobs whose
-        lease was lost, and cancel those whose cancellation was asked for."""
+        lease was lost, cancel those whose cancellation was asked for, and give back the
+        jobs the database says this worker runs and it does not."""
         if conn is None:
             conn = await self._connection()
         await conn.execute(self._touch, self._registration())
         self.beats += 1
+        await self._extend_leases(conn)
+        if self._settling is None:
+            return
+        try:
+            async with conn.transaction():
+                await self._reconcile(conn)
+        except (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable) as exc:
+            # The leases are extended; the comparison is tried again at the next beat.
+            log.log(
+                logging.DEBUG if self._reconcile_failed else logging.WARNING,
+                "could not compare the jobs the database says this worker runs with "
+                "those it runs (%s); trying again at the next beat",
+                describe(exc),
+            )
+            self._reconcile_failed = True
+        else:
+            self._reconcile_failed = False
+
+    async def _extend_leases(self, conn: psycopg.AsyncConnection[Any]) -> None:
         # The leases asked about, and when: what the answer confirms holds from then on.
         asked_at = time.monotonic()
         if not self._leased:
@@ -174,6 +258,86 @@ class Heartbeat(PeriodicService):
                 continue
             self._on_lost(job_id, attempt, task)
         self._beaten(asked_at)
+
+    async def _read_clock(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Read the database's clock: every claim sent after the answer came back claims
+        at that time or later (DATABASE_CLOCK_READ)."""
+        cur = await conn.execute(self._clock_read, {"statement_timeout": f"{self._reconcile_ms}ms"})
+        row = await cur.fetchone()
+        if row is not None:
+            self._clock.append((time.monotonic(), row[0]))
+
+    def _claimed_before(self, sent: float) -> datetime | None:
+        """The latest reading of the database's clock whose answer came back before
+        ``sent`` (monotonic seconds): no claim sent since then claimed anything before it."""
+        readings = [at for answered, at in self._clock if answered <= sent]
+        return readings[-1] if readings else None
+
+    async def _reconcile(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Give back the jobs running under this worker in the database that it does not
+        run. Never one a claim still in flight may deliver: only jobs claimed before the
+        oldest such claim was sent, on the database's clock. The order of the looks
+        matters: a claim's jobs enter ``held`` before the claim leaves the claims in
+        flight, and a job's outcome is queued before it leaves ``held``; so a job is seen
+        in one place or another, or its row is no longer this worker's."""
+        assert self._settling is not None
+        await self._read_clock(conn)
+        sent = self._claims.oldest()
+        looked_at = time.monotonic()
+        known = set(self._leased)
+        settling = self._settling()
+        if settling is None:
+            return
+        known.update(settling)
+        before = self._claimed_before(looked_at if sent is None else min(sent, looked_at))
+        if before is None:
+            return  # a claim older than every reading is in flight: at the next beat
+        cur = await conn.execute(
+            self._unknown,
+            {"worker_id": self._worker_id, "known": sorted(known), "before": before},
+        )
+        unknown = await cur.fetchall()
+        if not unknown:
+            return
+        cancelled = {int(job_id): int(attempt) for job_id, attempt, asked in unknown if asked}
+        strays = {int(job_id): int(attempt) for job_id, attempt, asked in unknown if not asked}
+        given = 0
+        if strays:
+            cur = await conn.execute(
+                self._give_back,
+                {
+                    **fenced_batch({job_id: {"attempt": a} for job_id, a in strays.items()}),
+                    "worker_id": self._worker_id,
+                    "channel": self._channel,
+                },
+            )
+            given = sum(int(row[1]) for row in await cur.fetchall())
+        ended = 0
+        if cancelled:
+            cur = await conn.execute(
+                self._cancel,
+                {
+                    **fenced_batch(
+                        {
+                            job_id: {"attempt": a, "progress": None}
+                            for job_id, a in cancelled.items()
+                        }
+                    ),
+                    "worker_id": self._worker_id,
+                },
+            )
+            ended = len(await cur.fetchall())
+            if ended:
+                await conn.execute(self._done, {"channel": self._done_channel})
+        if given or ended:
+            self.given_back += given + ended
+            log.warning(
+                "gave back %d jobs and ended %d cancelled, as asked, that the database said "
+                "this worker ran and it did not (a claim's answer or an outcome was lost): %s",
+                given,
+                ended,
+                ", ".join(f"{job_id} attempt {a}" for job_id, a in {**strays, **cancelled}.items()),
+            )
 
     def _beaten(self, asked_at: float) -> None:
         """Every lease held at ``asked_at`` is confirmed, or its loss acted on."""
