@@ -44,7 +44,7 @@ from skiplock.types import ClaimedJob
 from skiplock.waiting import wait_event
 from skiplock.worker import job_log
 from skiplock.worker.cancels import CancelRequests
-from skiplock.worker.heartbeat import Heartbeat
+from skiplock.worker.heartbeat import ClaimsInFlight, Heartbeat
 from skiplock.worker.keepalives import DEFAULT_TCP_USER_TIMEOUT, with_keepalives
 from skiplock.worker.leader import (
     Admission,
@@ -191,6 +191,8 @@ class Worker:
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._jobs: LeasedJobs | None = None
+        # Lease-mode claims sent and not yet read: the heartbeat gives none of theirs back.
+        self._claims = ClaimsInFlight()
         self._transactional: TransactionalSessions | None = None
         self._slots: Slots | None = None
         self._abandon = asyncio.Event()
@@ -394,6 +396,11 @@ class Worker:
             on_connect=liveness,
             on_beat=jobs.confirmed,
             connect_kwargs=connections.dedicated(heartbeat_bounds(heartbeat_every).options()),
+            claims=self._claims,
+            # Stopping, nothing is given back but by the drain.
+            settling=lambda: (
+                None if self._stop is None or self._stop.is_set() else completer.pending_ids()
+            ),
         )
         if ahead is not None:
             jobs.starts = StartRecorder(pool, schema, self.id, jobs.held)
@@ -532,7 +539,9 @@ class Worker:
             producers.append(
                 Producer(
                     f"{queue}/lease",
-                    jobs.fetch(pool, queue, cursors[queue], leased_excluded, threads, slots),
+                    self._claims.track(
+                        jobs.fetch(pool, queue, cursors[queue], leased_excluded, threads, slots)
+                    ),
                     slots,
                     wake,
                     batch_max=self.batch_max,
