@@ -11,7 +11,7 @@ checks are computed from what happened:
 - no stale completion is accepted: the history row is the attempt, and the process, of
   the job's last execution;
 - a job ran more than once only where a rescue or release recorded on the job explains it
-  (WorkerLost, LeaseExpired, WorkerShutdown), for an attempt run by a worker the test
+  (WorkerLost, LeaseExpired, Reconciled, WorkerShutdown), for an attempt run by a worker the test
   killed, cut off, stopped or signalled.
 
 The figures (recovery time after SIGKILL, re-runs and why, throughput against a calm run
@@ -475,7 +475,8 @@ def test_terminated_connections_are_reopened_and_nothing_is_lost(
 ) -> None:
     rng = random.Random(seed)
     # A claim whose reply is lost with its connection leaves jobs running under a worker
-    # that does not know them; only their lease gives them back, so keep it short.
+    # that does not know them; its next heartbeat gives them back (Reconciled), every
+    # third of the lease, so keep it short.
     options: dict[str, Any] = {"concurrency": CONCURRENCY, "lease": 5.0}
     fleet.start_many(WORKERS, chaos_db.conn, **options)
     ids = enqueue(chaos_db, make_jobs(JOBS, rng))
@@ -485,8 +486,10 @@ def test_terminated_connections_are_reopened_and_nothing_is_lost(
     verdict = judge(chaos_db, ids)
     # A live worker whose listener was cut looks dead for a moment (WorkerLost); a lease
     # lost is its own justification.
+    cut = fleet.pids("terminate")
     verdict.assert_sound(
-        allowed={"WorkerLost", "LeaseExpired"}, culprits={"WorkerLost": fleet.pids("terminate")}
+        allowed={"WorkerLost", "LeaseExpired", "Reconciled"},
+        culprits={"WorkerLost": cut, "Reconciled": cut},
     )
     assert all(w.alive for w in fleet.workers), "no worker may die of a lost connection"
     assert fleet.pids("terminate"), "the queue drained before the first termination"
@@ -580,7 +583,8 @@ def test_a_server_restart_mid_drain_is_ridden_out(
     lost_claims = explain_lost_claims(verdict, crashed_at)
     pids = {w.pid for w in fleet.workers}
     verdict.assert_sound(
-        allowed={"WorkerLost", "LeaseExpired", LOST_CLAIM}, culprits={"WorkerLost": pids}
+        allowed={"WorkerLost", "LeaseExpired", "Reconciled", LOST_CLAIM},
+        culprits={"WorkerLost": pids},
     )
     assert len(fleet.workers) == WORKERS and all(w.alive for w in fleet.workers)
     for worker in fleet.workers:
