@@ -56,7 +56,7 @@ FREEZE_LEASE = 4.0
 # The workers' own bound on a silent peer (keepalives and tcp_user_timeout, seconds).
 TCP_USER_TIMEOUT = 4.0
 RESCUE_PATIENCE = 90.0
-ACTED_ON = {"WorkerLost", "LeaseExpired"}
+ACTED_ON = {"WorkerLost", "LeaseExpired", "Reconciled"}
 
 
 @pytest.fixture

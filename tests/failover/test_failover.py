@@ -59,7 +59,7 @@ ENQUEUER_PATIENCE = 60.0
 # can lose, and what synchronous replication makes the primary's committers wait for.
 LAG = 1.0
 # Every worker lost its sessions (and its liveness lock) with the old primary.
-ACTED_ON = {"WorkerLost", "LeaseExpired"}
+ACTED_ON = {"WorkerLost", "LeaseExpired", "Reconciled"}
 
 
 @pytest.fixture
