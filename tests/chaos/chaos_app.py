@@ -161,7 +161,7 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def _sync_run(task: str, ms: int) -> dict[str, int]:
+def _sync_run(task: str, ms: float) -> dict[str, int]:
     job = skiplock.current_job()
     pid = os.getpid()
     _sync_recorder.execute(_START, (job.id, job.attempts, pid, task, _now()))
@@ -171,7 +171,7 @@ def _sync_run(task: str, ms: int) -> dict[str, int]:
 
 
 @app.task(name=ASYNC_TASK, queue=QUEUE, max_attempts=MAX_ATTEMPTS)
-async def work_async(ms: int) -> dict[str, int]:
+async def work_async(ms: float) -> dict[str, int]:
     """Async work on the worker's event loop; its attempt is the claim's fencing token."""
     job = skiplock.current_job()
     pid = os.getpid()
@@ -182,7 +182,7 @@ async def work_async(ms: int) -> dict[str, int]:
 
 
 @app.task(name=SYNC_TASK, queue=QUEUE, max_attempts=MAX_ATTEMPTS)
-def work_sync(ms: int) -> dict[str, int]:
+def work_sync(ms: float) -> dict[str, int]:
     """Sync work in the worker's thread pool: a cancelled attempt's thread runs on to the
     end, so its late completion reaches the completer's fence."""
     return _sync_run(SYNC_TASK, ms)
