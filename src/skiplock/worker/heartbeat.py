@@ -331,12 +331,15 @@ class Heartbeat(PeriodicService):
                 await conn.execute(self._done, {"channel": self._done_channel})
         if given or ended:
             self.given_back += given + ended
+            # Of those found, a row locked elsewhere or changed since is left for later.
             log.warning(
-                "gave back %d jobs and ended %d cancelled, as asked, that the database said "
-                "this worker ran and it did not (a claim's answer or an outcome was lost): %s",
+                "the database said this worker ran %s, and it did not (a claim's answer or "
+                "an outcome was lost): gave back %d, ended %d cancelled as asked",
+                ", ".join(
+                    f"job {job_id} attempt {a}" for job_id, a in {**strays, **cancelled}.items()
+                ),
                 given,
                 ended,
-                ", ".join(f"{job_id} attempt {a}" for job_id, a in {**strays, **cancelled}.items()),
             )
 
     def _beaten(self, asked_at: float) -> None:
