@@ -239,3 +239,35 @@ def test_the_heartbeat_gives_back_only_what_no_claim_in_flight_or_outcome_may_de
             await heartbeat.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(120)
+def test_a_busy_worker_gives_back_nothing_it_runs_or_is_claiming(
+    app: skiplock.App, start_worker: StartWorker, autocommit: psycopg.Connection[Any]
+) -> None:
+    """Short jobs claimed ahead in batches and a beat every 0.3 s: at almost every beat a
+    claim is in flight, jobs wait for a slot and outcomes wait for their flush. None of
+    them may be taken for a job the worker does not run."""
+
+    @app.task(name="reconcile.short", queue=QUEUE, max_attempts=5)
+    async def short() -> None:
+        await asyncio.sleep(0.002)
+
+    with autocommit.transaction():
+        ids = app.enqueue_many(autocommit, [short.job() for _ in range(3000)])
+    start_worker(app, queues=[QUEUE], concurrency=4, lease_seconds=0.9)
+
+    def done() -> bool:
+        count = autocommit.execute(
+            f"SELECT count(*) FROM {SCHEMA}.job_history WHERE id = ANY(%s)", (ids,)
+        ).fetchone()
+        return count is not None and int(count[0]) == len(ids)
+
+    wait_until(done, 90, "the jobs to complete")
+    given_back = autocommit.execute(
+        f"""
+        SELECT id, errors FROM {SCHEMA}.job_history
+        WHERE jsonb_path_exists(errors, '$[*] ? (@.type == "Reconciled")')
+        """
+    ).fetchall()
+    assert given_back == []
