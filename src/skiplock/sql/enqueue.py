@@ -73,13 +73,14 @@ JOB_WINDOW_GIVE_BACK = """
 DELETE FROM {unique_windows} WHERE key = %(unique_key)s AND job_id = %(id)s
 """
 
-# The holder of a key, in the states its scope's index covers (0007, 0011): the 'queued'
-# scope holds the key while the job waits, for its key (blocked) or its time.
+# The holder of a key, in the states its scope's index covers (0007, 0011, 0020): the
+# 'queued' scope holds the key while the job waits, for its key (blocked), its time, or a
+# slot at the worker that claimed it ahead (running, unstarted).
 JOB_FIND_UNIQUE = """
 SELECT id FROM {jobs}
 WHERE (unique_key = %(unique_key)s AND state <> 'dead')
    OR (unique_queued_key = %(unique_queued_key)s
-       AND state IN ('blocked', 'scheduled', 'available', 'retryable'))
+       AND state IN ('blocked', 'scheduled', 'available', 'retryable', 'running'))
 LIMIT 1
 """
 
@@ -108,12 +109,12 @@ SELECT id,
        CASE WHEN unique_key = ANY(%(keys)s::text[]) AND state <> 'dead'
             THEN unique_key END,
        CASE WHEN unique_queued_key = ANY(%(queued_keys)s::text[])
-             AND state IN ('blocked', 'scheduled', 'available', 'retryable')
+             AND state IN ('blocked', 'scheduled', 'available', 'retryable', 'running')
             THEN unique_queued_key END
 FROM {jobs}
 WHERE (unique_key = ANY(%(keys)s::text[]) AND state <> 'dead')
    OR (unique_queued_key = ANY(%(queued_keys)s::text[])
-       AND state IN ('blocked', 'scheduled', 'available', 'retryable'))
+       AND state IN ('blocked', 'scheduled', 'available', 'retryable', 'running'))
 """
 
 # Bulk enqueue, step one: the transaction's now(), which delays and the
