@@ -12,6 +12,7 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass
+from datetime import datetime
 
 import psycopg
 import pytest
@@ -19,6 +20,8 @@ import pytest
 import skiplock
 from conftest import StartWorker, WorkerThread, wait_until
 from skiplock.config import notify_channel
+from skiplock.tasks import TaskCall
+from skiplock.worker import producer
 from skiplock.worker.leased import LeasedJobs
 from skiplock.worker.producer import ClaimAhead, Slots, ahead_target
 
@@ -51,14 +54,11 @@ def test_claim_ahead_resizes_the_slots_and_a_fixed_prefetch_stays_put() -> None:
     ahead.claimed(0.001)
     assert ahead.target == 100
     assert (slots.total, slots.free) == (104, 101)
-    assert not ahead.beyond_free()
-    slots.take(2)
-    assert ahead.beyond_free()  # 5 in flight, 4 may run: a claim now may wait
     for _ in range(50):
         ahead.job_ended(1.0)  # the jobs got long
     ahead.claimed(0.001)
     assert ahead.target == 0
-    assert (slots.total, slots.free) == (4, -1)  # jobs in flight keep their slots
+    assert (slots.total, slots.free) == (4, 1)
 
     fixed = ClaimAhead(Slots(2), 2, most=100, fixed=3)
     fixed.job_ended(50e-6)
@@ -161,7 +161,11 @@ class OneWaiting:
     ran: list[str]
 
 
-def one_waiting(app: skiplock.App, start_worker: StartWorker) -> OneWaiting:
+def one_waiting(
+    app: skiplock.App, start_worker: StartWorker, monkeypatch: pytest.MonkeyPatch
+) -> OneWaiting:
+    """The job waits as long as the test needs: not given back after GIVE_BACK_AFTER."""
+    monkeypatch.setattr(producer, "GIVE_BACK_AFTER", 3600.0, raising=False)
     release = threading.Event()
     ran: list[str] = []
 
@@ -186,12 +190,12 @@ def one_waiting(app: skiplock.App, start_worker: StartWorker) -> OneWaiting:
 
 
 def test_a_job_claimed_ahead_and_given_back_while_it_waited_does_not_start(
-    app: skiplock.App, start_worker: StartWorker
+    app: skiplock.App, start_worker: StartWorker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A worker cut off from the database is found dead and its jobs given back, while a
     job it claimed ahead waits for a slot. When a slot frees, that job must not start on
     a claim that is no longer the worker's (tests/cluster saw it run twice)."""
-    setup = one_waiting(app, start_worker)
+    setup = one_waiting(app, start_worker, monkeypatch)
     jobs = setup.jobs
     # As after a silence: the next start reads its claim first.
     jobs.confirm_after = 0.0
@@ -301,7 +305,7 @@ def test_a_confirmation_answered_late_is_asked_again(
     """A job that waited for a slot after a silence reads its claim before it starts. If
     the worker stops while that read's yes is on its way, the yes is stale when read: the
     job may have been given back meanwhile. It is asked again, not taken at its word."""
-    setup = one_waiting(app, start_worker)
+    setup = one_waiting(app, start_worker, monkeypatch)
     jobs, waiting_id = setup.jobs, setup.waiting_id
     assert jobs.starts is not None
     jobs.confirm_after = 0.0  # every start after a wait reads its claim first
@@ -325,3 +329,117 @@ def test_a_confirmation_answered_late_is_asked_again(
     wait_until(lambda: setup.ran == ["waiting"], 30.0, "the job given back to run")
     wait_until(lambda: not jobs.held, 30.0, "the worker to finish")
     assert setup.ran == ["waiting"]
+
+
+# -- claim-ahead costs nothing when jobs differ (issue 20) ------------------------------
+
+
+def finished_rows(app: skiplock.App, ids: list[int]) -> dict[int, tuple[datetime, list[str]]]:
+    """Finished jobs among ``ids``: when each finished, and the workers that claimed it."""
+    with psycopg.connect(app.database_url, autocommit=True) as conn:
+        rows = conn.execute(
+            f"SELECT id, finished_at, worker_ids FROM {app.schema}.job_history WHERE id = ANY(%s)",
+            (ids,),
+        ).fetchall()
+    return {int(r[0]): (r[1], [str(w) for w in r[2]]) for r in rows}
+
+
+def warm_up(app: skiplock.App, handle: WorkerThread, short: TaskCall[None]) -> None:
+    """Run short jobs on the worker (their queue is its alone) until it claims ahead: it
+    has timed its jobs and claims."""
+    with psycopg.connect(app.database_url) as conn:
+        warm = app.enqueue_many(conn, [short.job(n=n) for n in range(300)])
+    wait_until(lambda: len(finished_rows(app, warm)) == len(warm), 60.0, "the warm-up")
+    ahead = handle.worker._jobs.ahead if handle.worker._jobs is not None else None
+    assert ahead is not None
+    assert ahead.target > 0, (ahead.job_seconds, ahead.claim_seconds)
+
+
+@pytest.mark.parametrize("prefetch", [40, None], ids=["fixed", "auto"])
+def test_short_jobs_claimed_ahead_behind_a_long_one_go_to_the_idle_worker(
+    app: skiplock.App, start_worker: StartWorker, prefetch: int | None
+) -> None:
+    """Two workers of one slot each: a long job and then 30 short ones are claimed by one
+    of them at once. The short ones must not wait behind the long one there while the
+    other worker has a free slot: given back, they are run by the other, before the long
+    job ends. The idle worker polls and probes only every 30 s: it claims them because the
+    give-back woke it."""
+    long_started = threading.Event()
+    long_may_end = threading.Event()
+
+    @app.task(name="long")
+    def long() -> None:
+        long_started.set()
+        long_may_end.wait(6.0)
+
+    @app.task(name="short")
+    def short(n: int) -> None:
+        pass
+
+    quiet = {"poll_interval": 30.0, "sweep_interval": 30.0}
+    first = start_worker(app, queues=["default", "warm-1"], concurrency=1, prefetch=prefetch)
+    second = start_worker(
+        app, queues=["default", "warm-2"], concurrency=1, prefetch=prefetch, **quiet
+    )
+    for handle, queue in ((first, "warm-1"), (second, "warm-2")):
+        warm_up(app, handle, short.with_options(queue=queue))
+
+    with psycopg.connect(app.database_url) as conn:
+        (long_id, *short_ids) = app.enqueue_many(
+            conn,
+            [long.with_options(priority=0).job()]
+            + [short.with_options(priority=1).job(n=n) for n in range(30)],
+        )
+    assert long_started.wait(30.0)
+
+    def shorts_done_or_long_ended() -> bool:
+        return len(finished_rows(app, short_ids)) == 30 or long_id in finished_rows(app, [long_id])
+
+    wait_until(shorts_done_or_long_ended, 30.0, "the short jobs or the long one to end")
+    long_may_end.set()
+    wait_until(lambda: len(finished_rows(app, [long_id, *short_ids])) == 31, 30.0, "every job")
+
+    rows = finished_rows(app, [long_id, *short_ids])
+    long_end, (holder,) = rows[long_id][0], rows[long_id][1]
+    other = str((second if holder == str(first.worker.id) else first).worker.id)
+    late = [job_id for job_id in short_ids if rows[job_id][0] >= long_end]
+    assert late == [], f"{len(late)} short jobs finished after the long job"
+    assert all(rows[job_id][1][-1] == other for job_id in short_ids)
+
+
+def test_a_stopping_worker_gives_its_waiting_jobs_back_while_its_running_job_runs(
+    app: skiplock.App, start_worker: StartWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Asked to stop, a worker gives back the jobs waiting at its gate at once, not after
+    its running jobs end (up to the shutdown timeout, unheartbeated meanwhile): back to
+    available, the attempt not counted, and another worker runs them meanwhile."""
+    setup = one_waiting(app, start_worker, monkeypatch)
+    setup.handle.request_stop()
+
+    def given_back() -> bool:
+        with psycopg.connect(app.database_url, autocommit=True) as conn:
+            row = conn.execute(
+                f"SELECT state, attempts, worker_id, claimed_ahead, errors "
+                f"FROM {app.schema}.jobs WHERE id = %s",
+                (setup.waiting_id,),
+            ).fetchone()
+        return (
+            row is not None
+            and row[:4] == ("available", 0, None, False)
+            and [(e["type"], e["attempt"]) for e in row[4]] == [("WorkerShutdown", 1)]
+        )
+
+    try:
+        wait_until(given_back, 10.0, "the job claimed ahead to be given back")
+        other = start_worker(app, concurrency=1, prefetch=0)
+        wait_until(
+            lambda: finished_rows(app, [setup.waiting_id]), 30.0, "the other worker to run it"
+        )
+        assert setup.handle.alive  # still running its blocker
+        assert setup.ran == ["waiting"]
+        assert finished_rows(app, [setup.waiting_id])[setup.waiting_id][1][-1] == str(
+            other.worker.id
+        )
+    finally:
+        setup.release.set()
+    setup.handle.join()

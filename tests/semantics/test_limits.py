@@ -21,6 +21,8 @@ import skiplock
 from conftest import wait_until
 from skiplock import client
 from skiplock.tasks import parse_rate
+from skiplock.worker import producer
+from skiplock.worker.limits import QueueLimits
 
 from .conftest import RunCli, Sem, StartWorkers
 from .timeline import Timeline, WindowLog, max_overlap, most_starts_within
@@ -233,10 +235,10 @@ def test_a_queue_concurrency_limit_holds_across_workers_and_is_reached(
             threading.Event().wait(0.01)  # a little work, so that runs overlap
 
     set_limits(sem, "limited", concurrency=limit)
-    # Nothing claimed ahead: a worker whose slots all hold free jobs waiting at their
-    # barrier would keep the job it claimed ahead waiting for a slot, and the barrier
-    # would break (decision 018's cost; CI saw it once). The limit is what is tested.
-    workers(3, queues=["limited", "free"], prefetch=0)
+    # Claiming ahead, as by default: a job claimed ahead by a worker whose slots all hold
+    # jobs waiting at their barrier is given back within the bound, so the barrier fills
+    # (before decision 018's revision, CI saw it break once).
+    workers(3, queues=["limited", "free"], prefetch=2)
     ids = [
         int(sem.enqueue(render.with_options(queue=queue), queue=queue, n=n))
         for queue, count in (("limited", 24), ("free", free_jobs))
@@ -375,3 +377,87 @@ def test_a_queue_rate_limit_holds_for_transactional_jobs(sem: Sem, workers: Star
     assert len(starts) == 3 * jobs
     # 15 starts at 5 a second: at least two periods from the first reservation to the last.
     assert reserved[-1] - reserved[0] >= 2 * period
+
+
+# -- jobs claimed ahead (decision 018) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("limited", ["before", "after"])
+def test_jobs_claimed_ahead_never_hold_a_limited_queue_back(
+    sem: Sem, workers: StartWorkers, monkeypatch: pytest.MonkeyPatch, limited: str
+) -> None:
+    """A worker of one slot, busy with a long job, that claims ahead. ``before``: the
+    queue is limited to 4 before its jobs come; that worker must not claim them (it cannot
+    start them), and an idle worker runs 4 at once. ``after``: the busy worker claimed 4
+    ahead while the queue was unlimited, and then the limit came; those 4 wait at its gate
+    unstarted and must not count against the limit: the idle worker runs 4 more at once.
+    (The bound after which the busy worker gives jobs back is lifted here: what is tested
+    is the limit's count, not the give-back.)"""
+    monkeypatch.setattr(producer, "GIVE_BACK_AFTER", 3600.0, raising=False)
+    limit = 4
+    timeline = Timeline()
+    together = threading.Barrier(limit)
+    blocking = threading.Event()
+    release = threading.Event()
+
+    @sem.app.task(name="blocker", queue="other")
+    def blocker() -> None:
+        blocking.set()
+        release.wait(PATIENCE)
+
+    @sem.app.task(name="limited", queue="limited")
+    def limited_job(n: int) -> None:
+        with timeline.run("limited", n):
+            if n < limit:
+                together.wait(PATIENCE / 2)
+
+    if limited == "before":
+        set_limits(sem, "limited", concurrency=limit)
+    (busy,) = workers(1, queues=["other", "limited"], concurrency=1, prefetch=8)
+    sem.enqueue(blocker)
+    assert blocking.wait(PATIENCE)
+    # Each lease claim of the busy worker asks once whether its queue is limited.
+    fetches: list[str] = []
+    limits = busy.worker._limits
+    assert limits is not None
+    governs = QueueLimits.__contains__
+
+    def counted(self: QueueLimits, queue: str) -> bool:
+        if self is limits:
+            fetches.append(queue)
+        return governs(self, queue)
+
+    monkeypatch.setattr(QueueLimits, "__contains__", counted)
+    if limited == "after":
+        early = sem.enqueue_many([limited_job.job(n=limit + n) for n in range(limit)])
+        wait_until(
+            lambda: (
+                sem.execute(
+                    "SELECT count(*) FROM {jobs} WHERE id = ANY(%s) AND state = 'running'", (early,)
+                )
+                == [(limit,)]
+            ),
+            PATIENCE,
+            "the busy worker to claim 4 ahead",
+        )
+        set_limits(sem, "limited", concurrency=limit)
+        wait_until(lambda: "limited" in limits.governed, PATIENCE, "the limit to be read")
+    mark = len(fetches)
+    ids = sem.enqueue_many([limited_job.job(n=n) for n in range(limit)])
+    # The busy worker's claims of the queue since: the second starts after the first ended.
+    wait_until(
+        lambda: fetches[mark:].count("limited") >= 2,
+        PATIENCE,
+        "the busy worker to try the limited queue",
+    )
+    (idle,) = workers(1, queues=["limited"], concurrency=limit, prefetch=0)
+    try:
+        sem.wait_for_all(ids, "completed", timeout=PATIENCE)
+    finally:
+        release.set()
+    runs = [r for r in timeline.runs("limited") if r.n < limit]
+    assert max_overlap(runs) == limit
+    claimers = sem.execute(
+        "SELECT DISTINCT unnest(worker_ids)::text FROM {history} WHERE id = ANY(%s)", (ids,)
+    )
+    assert claimers == [(str(idle.worker.id),)]

@@ -13,6 +13,7 @@ import random
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -20,9 +21,10 @@ import psycopg
 import pytest
 
 import skiplock
-from conftest import wait_until
+from conftest import WorkerThread, wait_until
 from skiplock import client, history
 from skiplock.retry import RetryPolicy
+from skiplock.worker import producer
 
 from .conftest import Calls, RunCli, Sem, StartWorkers
 
@@ -279,6 +281,83 @@ def test_the_queued_scope_frees_the_key_when_the_job_starts(
     assert sem.wait_for_state(first, "completed").result == 1
     assert sem.wait_for_state(while_running, "completed").result == 2
     assert sem.job(failed).state is skiplock.JobState.RETRYABLE
+
+
+# -- jobs claimed ahead (decision 018) -----------------------------------------------
+
+
+@dataclass
+class ClaimedAhead:
+    """One worker of one slot, held by a blocker, with a queued-unique job claimed ahead
+    waiting at its gate (not given back: the test decides what happens to it)."""
+
+    worker: WorkerThread
+    refresh: skiplock.Task[int]
+    first: int
+    release: threading.Event
+    runs: list[int]
+
+
+def claimed_ahead(sem: Sem, workers: StartWorkers, monkeypatch: pytest.MonkeyPatch) -> ClaimedAhead:
+    monkeypatch.setattr(producer, "GIVE_BACK_AFTER", 3600.0, raising=False)
+    release = threading.Event()
+    runs: list[int] = []
+    running = threading.Event()
+
+    @sem.app.task(name="blocker")
+    def blocker() -> None:
+        running.set()
+        release.wait(20)
+
+    @sem.app.task(name="refresh", unique=True, unique_scope="queued")
+    def refresh(page: int) -> int:
+        runs.append(page)
+        return len(runs)
+
+    _, first = sem.enqueue_many(
+        [blocker.with_options(priority=0).job(), refresh.with_options(priority=1).job(page=1)]
+    )
+    (worker,) = workers(1, concurrency=1, prefetch=1)
+    assert running.wait(15)
+    wait_until(
+        lambda: sem.execute("SELECT state FROM {jobs} WHERE id = %s", (first,)) == [("running",)],
+        15.0,
+        "the keyed job to be claimed ahead",
+    )
+    return ClaimedAhead(worker, refresh, first, release, runs)
+
+
+def test_a_job_claimed_ahead_holds_its_queued_key_and_keeps_it_when_given_back(
+    sem: Sem, workers: StartWorkers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Claimed ahead, the job has not started: a duplicate is refused. Given back
+    unstarted (its worker stops), it is back in line with its key."""
+    setup = claimed_ahead(sem, workers, monkeypatch)
+    key = 'refresh:{"page":1}'
+    try:
+        again = sem.enqueue(setup.refresh, page=1)
+        assert again.duplicate and int(again) == setup.first
+
+        setup.worker.request_stop()
+        sem.wait_for_state(setup.first, "available")
+        assert keys_of(sem, setup.first) == (None, key)
+        assert int(sem.enqueue(setup.refresh, page=1)) == setup.first
+        assert sem.live_count() == 2  # the blocker and the one refresh
+    finally:
+        setup.release.set()
+    setup.worker.join()
+    assert setup.runs == []
+
+
+def test_a_job_claimed_ahead_releases_its_queued_key_when_it_really_starts(
+    sem: Sem, workers: StartWorkers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    setup = claimed_ahead(sem, workers, monkeypatch)
+    setup.release.set()  # the slot frees: the job claimed ahead starts
+    assert sem.wait_for_state(setup.first, "completed").result == 1
+    later = sem.enqueue(setup.refresh, page=1)
+    assert not later.duplicate
+    assert sem.wait_for_state(int(later), "completed").result == 2
 
 
 # -- racing enqueues -------------------------------------------------------------------

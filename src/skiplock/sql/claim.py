@@ -21,9 +21,10 @@ WORKER_SESSION_OPTIONS = "-c synchronous_commit=off -c enable_seqscan=off"
 # primary key whatever the statistics say (see ROBUST_LOOKUP in sql/complete.py).
 # run_at <= now() guards rows inserted by hand as 'available' with a future run_at. The
 # paused check is a single primary-key lookup, evaluated once per claim.
-# attempts + 1 becomes this attempt's fencing token. claimed_ahead is false here and true
-# in the claims of a worker that prefetches (JOB_CLAIM_AHEAD): its jobs may wait for a
-# slot, and rescue gives back the attempt of one that never started (decision 015).
+# attempts + 1 becomes this attempt's fencing token. claimed_ahead is false here, where
+# every job claimed has its run permit in hand, and true in claims that bring more jobs
+# than the worker has permits free (JOB_CLAIM_AHEAD): those may wait for a slot, and
+# rescue gives back the attempt of one that never started (decision 015).
 # Arguments come back as text and timestamps clamped to what Python's datetime can hold,
 # so that a row written by hand that Python cannot decode fails as one job
 # (executor.claimed_from_row) instead of failing the whole claim. The meta (0017) comes
@@ -77,14 +78,33 @@ JOB_CLAIM_BATCH_AFTER = JOB_CLAIM_BATCH.replace(
 if JOB_CLAIM_BATCH_AFTER == JOB_CLAIM_BATCH:  # pragma: no cover - guards the edit above
     raise RuntimeError("JOB_CLAIM_BATCH changed shape; update JOB_CLAIM_BATCH_AFTER")
 
-# The same two claims for a worker that prefetches: each job is marked claimed ahead until
-# its start is recorded (JOB_MARK_STARTED).
-JOB_CLAIM_AHEAD = JOB_CLAIM_BATCH.replace("claimed_ahead = false", "claimed_ahead = true")
-JOB_CLAIM_AHEAD_AFTER = JOB_CLAIM_BATCH_AFTER.replace(
-    "claimed_ahead = false", "claimed_ahead = true"
+# The same two claims for a worker that claims more jobs than it has run permits free:
+# each job is marked claimed ahead until its start is recorded (JOB_MARK_STARTED). It may
+# wait for a slot and be given back unstarted (sql/complete.py, JOB_GIVE_BACK_UNSTARTED),
+# so its queued-scope unique key stays on the row until it really starts (JOB_START_KEYED;
+# decision 018): a duplicate is refused meanwhile (0020's index covers running rows), and
+# nothing is lost, or needs restoring, when the job goes back or its worker dies.
+_CLEAR_QUEUED_KEY = (
+    "    -- A queued-scope unique key is released for good once the job starts (0007).\n"
+    "    unique_queued_key = NULL,\n"
 )
-if JOB_CLAIM_AHEAD == JOB_CLAIM_BATCH:  # pragma: no cover - guards the edit above
-    raise RuntimeError("JOB_CLAIM_BATCH changed shape; update JOB_CLAIM_AHEAD")
+
+
+def _claiming_ahead(statement: str) -> str:
+    """The claim marking its jobs, keeping their keys, and saying which hold one (an
+    eleventh column: JOB_START_KEYED releases it before such a job starts)."""
+    ahead = (
+        statement.replace("claimed_ahead = false", "claimed_ahead = true")
+        .replace(_CLEAR_QUEUED_KEY, "")
+        .replace("j.meta::text\n", "j.meta::text, j.unique_queued_key IS NOT NULL\n")
+    )
+    if "claimed_ahead = true" not in ahead or ahead.count("unique_queued_key") != 1:
+        raise RuntimeError("JOB_CLAIM_BATCH changed shape; update _claiming_ahead")
+    return ahead
+
+
+JOB_CLAIM_AHEAD = _claiming_ahead(JOB_CLAIM_BATCH)
+JOB_CLAIM_AHEAD_AFTER = _claiming_ahead(JOB_CLAIM_BATCH_AFTER)
 
 # A prefetching worker records, in one statement per batch, that jobs it claimed ahead
 # have started and are still running, so that rescue charges them. Written a moment
@@ -99,6 +119,23 @@ WHERE j.id = ANY(ARRAY(
     WHERE k.id = ANY(%(ids)s::bigint[]) AND k.claimed_ahead
     FOR UPDATE SKIP LOCKED))
   AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
+  AND j.worker_id = %(worker_id)s
+RETURNING j.id
+"""
+
+# A job claimed ahead that holds a queued-scope unique key starts only once this has
+# released the key (and recorded the start): from then on a duplicate is a new job, as it
+# would have been had the claim released it. One round trip before the start, for these
+# jobs only. No claimed_ahead test: a job given back and claimed again by this worker
+# under the same attempt is marked by both its tasks, and the stale one then finds it is
+# no longer the job's holder (worker/leased.py). SKIP LOCKED: a row another transaction
+# has locked comes back as not marked, and is asked again.
+JOB_START_KEYED = """
+UPDATE {jobs} AS j
+SET claimed_ahead = false,
+    unique_queued_key = NULL
+WHERE j.id = ANY(ARRAY(SELECT k.id FROM {jobs} AS k WHERE k.id = %(id)s FOR UPDATE SKIP LOCKED))
+  AND j.attempts = %(attempt)s
   AND j.worker_id = %(worker_id)s
 RETURNING j.id
 """
@@ -163,8 +200,12 @@ RETURNING q.concurrency_limit,
           extract(epoch FROM q.rate_window[1] + q.rate_period * interval '1 second' - c.at)
 """
 
+# Only started jobs count against a concurrency limit: jobs claimed ahead that wait at a
+# worker's gate would otherwise hold the queue back for every worker (decision 018). A
+# limited queue is never claimed ahead (worker/leased.py), so its rows carry the mark only
+# if they were claimed before the worker knew of the limit.
 QUEUE_RUNNING = """
-SELECT count(*) FROM {jobs} WHERE queue = %(queue)s AND state = 'running'
+SELECT count(*) FROM {jobs} WHERE queue = %(queue)s AND state = 'running' AND NOT claimed_ahead
 """
 
 QUEUE_RATE_SPEND = """

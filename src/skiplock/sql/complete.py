@@ -186,6 +186,67 @@ SELECT NULL, count(*), NULL::void FROM ended HAVING count(*) > 0
 """
 )
 
+# A job claimed ahead that never started goes back, from the worker that holds it: it
+# waited at the worker's gate past the bound while the worker's slots were busy (another
+# worker may have a free one), or the worker is stopping (decision 018). Fenced like an
+# outcome and on the mark too: a job whose start was recorded is never given back as
+# unstarted. Nothing happened to it: its attempt is given back and its queued-scope
+# unique key, kept since the claim, stays. A stopping worker notes why (%(note)s, as a
+# WorkerShutdown record, like a released job's); a give-back on time notes nothing, or
+# the errors of a job of a busy queue would grow with each one. As for a released job, one
+# whose cancellation was asked for ends cancelled instead. The UPDATE fires no trigger
+# that wakes workers: NOTIFY_MOVED does, in this statement, so an idle worker claims the
+# jobs at once rather than at its next poll. Rows come back as JOB_RELEASE_MANY_IF_LEASED's.
+JOB_GIVE_BACK_UNSTARTED = (
+    """
+WITH cancelled AS (
+    DELETE FROM {jobs} AS j
+    WHERE j.id = ANY(%(ids)s::bigint[])
+      AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
+      AND j.worker_id = %(worker_id)s
+      AND j.claimed_ahead
+      AND j.cancel_requested_at IS NOT NULL
+    RETURNING j.*
+), ended AS (
+    INSERT INTO {history} ("""
+    + _HISTORY_COLUMNS
+    + """)
+    SELECT id, queue, task, args, 'cancelled', priority, attempts - 1, max_attempts,
+           errors || jsonb_build_array(jsonb_build_object(
+               'attempt', attempts, 'at', now(), 'type', 'Cancelled',
+               'message', 'cancelled before it started', 'traceback', NULL)),
+           NULL, unique_key, ordering_key, created_at, attempted_at, progress, started_at,
+           worker_ids, meta
+    FROM cancelled
+    RETURNING id
+), moved AS (
+    UPDATE {jobs} AS j
+    SET state = 'available',
+        attempts = j.attempts - 1,
+        errors = CASE WHEN %(note)s::text IS NULL THEN j.errors
+                      ELSE j.errors || jsonb_build_array(jsonb_build_object(
+                          'attempt', j.attempts,
+                          'at', now(),
+                          'type', 'WorkerShutdown',
+                          'message', %(note)s::text,
+                          'traceback', NULL)) END,
+        claimed_ahead = false,
+        worker_id = NULL,
+        lease_expires_at = NULL
+    WHERE j.id = ANY(%(ids)s::bigint[])
+      AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
+      AND j.worker_id = %(worker_id)s
+      AND j.claimed_ahead
+      AND j.cancel_requested_at IS NULL
+    RETURNING j.queue, j.priority, j.run_at
+)"""
+    + NOTIFY_MOVED
+    + """
+UNION ALL
+SELECT NULL, count(*), NULL::void FROM ended HAVING count(*) > 0
+"""
+)
+
 # A transactional handler's time limit: the server ends a session left idle inside its
 # transaction (a sync handler stuck outside SQL) or a statement running longer, and the
 # rollback makes the job claimable again. Transaction-local, so it would last to the end

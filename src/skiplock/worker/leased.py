@@ -47,6 +47,11 @@ CONFIRM_AFTER_SILENCE = 1.0
 # Confirmations asked in a row before a job is left unstarted: an answer that took longer
 # than CONFIRM_AFTER_SILENCE to arrive says nothing of now.
 CONFIRM_TRIES = 3
+# Tries of a give-back of jobs claimed ahead (fenced: a retry of one that was written
+# changes nothing), and the pause between them. Unwritten, the jobs are left to their
+# lease: their tasks are gone, so nothing extends it, and rescue gives them back.
+GIVE_BACK_TRIES = 3
+GIVE_BACK_RETRY_SECONDS = 0.1
 
 
 @dataclasses.dataclass
@@ -82,11 +87,24 @@ class LeasedJobs:
         self._metrics = metrics
         self._lease_seconds = lease_seconds
         # With prefetch, jobs claimed beyond free capacity wait (leased and heartbeated)
-        # at this gate for a slot; ``at_gate`` are those waiting.
+        # at this gate for a slot; ``at_gate`` are those waiting, oldest first, with when
+        # each began to wait (loop time). Past ahead.wait_bound() they are given back.
         self._gate = gate
-        self.at_gate: set[int] = set()
+        self.at_gate: dict[int, float] = {}
+        self._gate_timer: asyncio.TimerHandle | None = None
+        # Tasks of jobs given back while they waited (they end without an outcome), and
+        # the give-back writes in flight.
+        self._withdrawn: set[asyncio.Task[None]] = set()
+        self._giving_back: set[asyncio.Task[None]] = set()
+        self.given_back = 0
+        self.stopping = False
+        # Jobs whose handler was called, with when (loop time): a slot whose job has run
+        # past the wait bound is stuck, and claims nothing ahead (ClaimAhead.stuck).
+        self._started_at: dict[int, float] = {}
         # Sizes the claims beyond free slots from how long jobs take (decision 018).
         self.ahead = ahead
+        if ahead is not None:
+            ahead.stuck = self._stuck
         # With prefetch, what records that jobs claimed ahead have started (decision 015).
         self.starts: StartRecorder | None = None
         self._rng = rng
@@ -122,8 +140,10 @@ class LeasedJobs:
         slots: Slots,
     ) -> Fetch:
         schema = self._app.schema
-        # Jobs claimed beyond free slots may wait for one: marked claimed ahead until they
-        # start, so that rescue does not charge one that never did (decision 015).
+        gate = self._gate
+        # Jobs claimed beyond free run permits may wait for one: marked claimed ahead until
+        # their start is recorded, so that rescue does not charge one that never started
+        # (decision 015), and they keep their queued-scope unique key until then.
         statements = {
             (False, False): render(claim.JOB_CLAIM_BATCH, schema),
             (False, True): render(claim.JOB_CLAIM_BATCH_AFTER, schema),
@@ -144,15 +164,36 @@ class LeasedJobs:
             after = cursor.start()
             if after is not None:
                 params.update(after_priority=after[0], after_run_at=after[1], after_id=after[2])
-            statement = statements[reservation.ahead, after is not None]
             await limits.settled()
+            # The run permits free now are taken for this claim's first jobs, which start
+            # at once: a claim that has one for every job is not marked claimed ahead. Free
+            # permits mean no job waits at the gate, so none is overtaken.
+            granted = 0
+            if gate is not None:
+                while granted < limit and not gate.locked():
+                    await gate.acquire()  # free: returns at once, without yielding
+                    granted += 1
+                if queue in limits:
+                    # A limited queue is never claimed ahead: its running jobs are what
+                    # its limit counts (QUEUE_RUNNING), and a job waiting here would hold
+                    # back every worker. Only what can start now.
+                    params["limit"] = limit = granted
+                    if limit == 0:
+                        return False
+            statement = statements[granted < limit, after is not None]  # marked: more than
+            # it has permits for
             asked_at = time.monotonic()  # what the answer says holds from then on, at best
-            if queue in limits:
-                rows = await limits.claim(queue, statement, params)
-            else:
-                async with pool.connection() as conn:
-                    cur = await conn.execute(statement, params)
-                    rows = await cur.fetchall()
+            try:
+                if queue in limits:
+                    rows = await limits.claim(queue, statement, params)
+                else:
+                    async with pool.connection() as conn:
+                        cur = await conn.execute(statement, params)
+                        rows = await cur.fetchall()
+            except BaseException:
+                self._release_permits(granted)
+                raise
+            self._release_permits(granted - len(rows))
             reservation.keep(len(rows))  # each job gives its slot back when it ends
             claimed = ClaimTimes(asked_at)
             self._stats.claimed += len(rows)
@@ -166,9 +207,20 @@ class LeasedJobs:
             rows = [position[3] for position in positions]
             cursor.advance([position[:3] for position in positions])
             told = job_log.told()
-            for row in rows:
+            marked = granted < limit  # (the claim said which hold a queued key: row[10])
+            for n, row in enumerate(rows):
                 job = executor.claimed_from_row(row)
-                task = asyncio.create_task(self._run(job, threads, slots, claimed))
+                task = asyncio.create_task(
+                    self._run(
+                        job,
+                        threads,
+                        slots,
+                        claimed,
+                        permitted=n < granted,
+                        marked=marked,
+                        keyed=marked and bool(row[10]),
+                    )
+                )
                 self.held[job.id] = (job.attempts, task)
                 self._job_tasks[job.id] = job.task
                 if told:
@@ -180,35 +232,57 @@ class LeasedJobs:
 
         return fetch
 
+    def _release_permits(self, n: int) -> None:
+        """Give back run permits a claim took and has no job for."""
+        for _ in range(n):
+            if self._gate is not None:
+                self._gate.release()
+
     async def _run(
         self,
         job: ClaimedJob,
         threads: ThreadPoolExecutor,
         slots: Slots,
         claimed: ClaimTimes,
+        *,
+        permitted: bool = False,
+        marked: bool = False,
+        keyed: bool = False,
     ) -> None:
         cancel = self._cancel_flags[job.id] = CancelFlag()
         gate = self._gate
-        gated = False
+        gated = permitted  # its run permit came with the claim
+        loop = asyncio.get_running_loop()
         try:
             started = time.perf_counter()
             try:
-                if gate is not None:
-                    # A prefetched job waits for a free slot; at shutdown _drain gives it
-                    # back, and a cancel request ends it here without running it.
-                    self.at_gate.add(job.id)
+                if gate is not None and not gated:
+                    # A job claimed ahead waits for a run permit. Past the wait bound, or
+                    # when the worker is asked to stop, it is given back (give_back), and
+                    # a cancel request ends it here without running it. Nothing between
+                    # the permit and leaving at_gate yields: a job in at_gate has not
+                    # started and never will once withdrawn.
+                    self.at_gate[job.id] = loop.time()
+                    if self.stopping:
+                        self.give_back([job.id])  # the worker is stopping: not started
+                        raise asyncio.CancelledError
+                    self._watch_gate()
                     try:
                         await gate.acquire()
                         gated = True
                     finally:
-                        self.at_gate.discard(job.id)
+                        self.at_gate.pop(job.id, None)
                     started = time.perf_counter()
-                    if not await self._still_ours(job, claimed):
-                        return
+                if gate is not None and not await self._still_ours(job, claimed):
+                    return
                 if cancel.is_set():
                     raise asyncio.CancelledError  # cancelled while it waited: never ran
-                if self.starts is not None:
+                if keyed:
+                    if not await self._start_keyed(job):
+                        return
+                elif marked and self.starts is not None:
                     self.starts.note(job.id, job.attempts)
+                self._started_at[job.id] = loop.time()
                 self._metrics.job_started(job, job.attempts)
                 run = executor.run_leased(
                     self._app,
@@ -234,8 +308,10 @@ class LeasedJobs:
                         if not cancel.is_set():
                             span.ended(outcome.kind, outcome.error)
             except asyncio.CancelledError:
-                if not cancel.is_set():
-                    raise  # shutdown, or the lease was lost: no outcome of ours to write
+                if not cancel.is_set() or asyncio.current_task() in self._withdrawn:
+                    # Shutdown, the lease was lost, or given back unstarted: no outcome of
+                    # ours to write.
+                    raise
                 outcome = Outcome(job.id, job.attempts, cancelled=True)
             if cancel.is_set() and not outcome.cancelled:
                 # Asked to stop: however the handler ended (returning early, raising), the
@@ -268,16 +344,109 @@ class LeasedJobs:
         finally:
             # Another task may hold the job now (given back and claimed again by this
             # worker): its entries are left alone.
+            current = asyncio.current_task()
             entry = self.held.get(job.id)
-            mine = entry is not None and entry[1] is asyncio.current_task()
+            mine = entry is not None and entry[1] is current
             if mine:
                 del self.held[job.id]
             if entry is None or mine:
                 self._cancel_flags.pop(job.id, None)
                 self._job_tasks.pop(job.id, None)
+                self._started_at.pop(job.id, None)
+            if current is not None:
+                self._withdrawn.discard(current)
             if gated and gate is not None:
                 gate.release()
             slots.give(1)
+
+    # -- jobs claimed ahead that wait too long -------------------------------------------
+
+    def _stuck(self, bound: float) -> int:
+        """Slots whose job has run longer than ``bound`` seconds."""
+        now = asyncio.get_running_loop().time()
+        return sum(1 for since in self._started_at.values() if now - since > bound)
+
+    def _watch_gate(self) -> None:
+        """Arm the timer that gives back jobs waiting past the bound, if it is not armed."""
+        if self._gate_timer is not None or not self.at_gate or self.ahead is None:
+            return
+        oldest = next(iter(self.at_gate.values()))
+        loop = asyncio.get_running_loop()
+        self._gate_timer = loop.call_at(oldest + self.ahead.wait_bound(), self._check_gate)
+
+    def _check_gate(self) -> None:
+        """Give back the jobs that have waited at the gate past the bound: this worker
+        cannot start them, and another worker may be able to (decision 018)."""
+        self._gate_timer = None
+        if self.ahead is None:
+            return
+        now = asyncio.get_running_loop().time()
+        bound = self.ahead.wait_bound()
+        overdue: list[int] = []
+        for job_id, since in self.at_gate.items():  # oldest first
+            if now - since < bound:
+                break
+            overdue.append(job_id)
+        if overdue:
+            self.ahead.hold_off()  # before their slots come back: nothing is claimed again
+            self.give_back(overdue)
+        self._watch_gate()
+
+    def give_back(self, job_ids: list[int] | None = None) -> asyncio.Task[None] | None:
+        """Give back jobs waiting at the gate (``job_ids``, or all of them: the worker is
+        stopping), unstarted: their tasks end without running them, at once, and the
+        database is told in one fenced statement (attempts restored, their queued-scope
+        keys never dropped), which wakes the workers of their queues. Returns the write."""
+        chosen = list(self.at_gate) if job_ids is None else job_ids
+        batch: dict[int, int] = {}
+        for job_id in chosen:
+            if self.at_gate.pop(job_id, None) is None:
+                continue  # it got its permit meanwhile: it is starting
+            entry = self.held.pop(job_id, None)
+            if entry is None:
+                continue
+            batch[job_id] = entry[0]
+            self._withdrawn.add(entry[1])
+            if entry[1] is not asyncio.current_task():  # (else it raises, itself)
+                entry[1].cancel()  # inside gate.acquire(): a permit it got passes on
+        if not batch:
+            return None
+        self.given_back += len(batch)
+        write = asyncio.get_running_loop().create_task(self._write_give_back(batch))
+        self._giving_back.add(write)
+        write.add_done_callback(self._giving_back.discard)
+        return write
+
+    async def _write_give_back(self, batch: dict[int, int]) -> None:
+        starts = self.starts
+        assert starts is not None, "only a worker that claims ahead has a gate"
+        for attempt in range(1, GIVE_BACK_TRIES + 1):
+            try:
+                moved = await starts.give_back(batch, stopping=self.stopping)
+            except Exception as exc:
+                if attempt == GIVE_BACK_TRIES:
+                    log.warning(
+                        "could not give back %d jobs claimed ahead (%s); their leases will "
+                        "run out and rescue gives them back",
+                        len(batch),
+                        exc,
+                    )
+                    return
+                await asyncio.sleep(GIVE_BACK_RETRY_SECONDS * attempt)
+            else:
+                log.debug("gave back %d of %d jobs claimed ahead", moved, len(batch))
+                return
+
+    def give_back_waiting(self) -> asyncio.Task[None] | None:
+        """The worker is stopping: every job waiting at the gate, and any that comes to
+        it from now on, is given back at once instead of waiting for the running jobs."""
+        self.stopping = True
+        return self.give_back()
+
+    async def given_back_written(self) -> None:
+        """Wait for the give-back writes in flight."""
+        while self._giving_back:
+            await asyncio.gather(*self._giving_back, return_exceptions=True)
 
     def confirmed(self, asked_at: float) -> None:
         """A heartbeat confirmed every lease held when it took its list of them at
@@ -345,6 +514,37 @@ class LeasedJobs:
             self._stats.lost_leases += 1
             return False
         return True
+
+    async def _start_keyed(self, job: ClaimedJob) -> bool:
+        """Release a claimed-ahead job's queued-scope key, recording its start, before it
+        starts (JOB_START_KEYED). Not written, it does not start: its lease runs out,
+        and rescue gives it back with its key."""
+        assert self.starts is not None
+        for attempt in range(1, CONFIRM_TRIES + 1):
+            try:
+                started = await self.starts.start_keyed(job.id, job.attempts)
+            except Exception as exc:
+                log.warning(
+                    "job %s: could not release its queued unique key (%s); not starting it",
+                    job.id,
+                    exc,
+                )
+                break
+            if started:
+                # Given back and claimed again meanwhile by this worker: the new claim's
+                # task runs it (the write could not tell the two apart).
+                return not self._superseded(job)
+            if attempt < CONFIRM_TRIES:
+                await asyncio.sleep(GIVE_BACK_RETRY_SECONDS)  # locked by another transaction?
+        else:
+            log.warning(
+                "job %s attempt %s: no longer this worker's, or its row stayed locked; "
+                "not starting it",
+                job.id,
+                job.attempts,
+            )
+        self._stats.lost_leases += 1
+        return False
 
     def _superseded(self, job: ClaimedJob) -> bool:
         """Whether this task no longer holds the job: given back while it waited, and

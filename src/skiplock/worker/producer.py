@@ -88,6 +88,11 @@ class Slots:
 AHEAD_WORTHWHILE = 0.1
 # Weight of the newest sample in the running averages of job and claim durations.
 AHEAD_SMOOTHING = 0.2
+# How long a job claimed ahead may wait at its worker for a slot before the worker gives
+# it back (or twice the claim's round trip, if that is longer): another worker may have a
+# free slot for it now (decision 018). Also how long a job must have run for its slot to
+# count as stuck: such slots claim nothing ahead.
+GIVE_BACK_AFTER = 0.05
 
 
 class ClaimAhead:
@@ -97,10 +102,14 @@ class ClaimAhead:
     slots finish ``concurrency / job_seconds`` jobs a second, so a claim that takes
     ``claim_seconds`` must bring that many more, twice over for the claim that finds the
     queue a moment early. Short jobs are claimed in batches; jobs long enough that the
-    claim's round trip hardly shows are not claimed ahead at all, so a worker never sits
-    on work another idle worker could run. ``fixed`` pins the number instead (the
-    ``prefetch`` option); ``most`` caps it. Pure bookkeeping: the producer's slots are
-    resized to ``concurrency + target``.
+    claim's round trip hardly shows are not claimed ahead at all. ``fixed`` pins the number
+    instead (the ``prefetch`` option); ``most`` caps it.
+
+    Never more than the slots can start within ``wait_bound()``: a job that waits longer
+    is given back (worker/leased.py). Slots whose job has run past that bound (``stuck``,
+    told by the worker) are not counted as turning over, and after a give-back nothing is
+    claimed ahead until a job ends (``hold_off``): what was given back is for the other
+    workers. Pure bookkeeping: the producer's slots are resized to ``concurrency + target``.
     """
 
     def __init__(
@@ -112,46 +121,85 @@ class ClaimAhead:
         self.fixed = fixed
         self.job_seconds: float | None = None
         self.claim_seconds: float | None = None
+        self.patience = GIVE_BACK_AFTER
+        # Slots whose job has run longer than wait_bound(); the worker sets it.
+        self.stuck: Callable[[float], int] = lambda bound: 0
+        self.held_off = False
         self.target = 0 if fixed is None else fixed
         slots.resize(concurrency + self.target)
+
+    def wait_bound(self) -> float:
+        """How long a job claimed ahead may wait for a slot at this worker."""
+        return max(self.patience, 2 * (self.claim_seconds or 0.0))
 
     def job_ended(self, seconds: float) -> None:
         previous = self.job_seconds
         self.job_seconds = (
             seconds if previous is None else previous + AHEAD_SMOOTHING * (seconds - previous)
         )
+        self.held_off = False  # a slot turned over
 
     def claimed(self, seconds: float) -> None:
         previous = self.claim_seconds
         self.claim_seconds = (
             seconds if previous is None else previous + AHEAD_SMOOTHING * (seconds - previous)
         )
-        if self.fixed is None:
-            self.adjust()
+        self.adjust()
+
+    def hold_off(self) -> None:
+        """Jobs claimed ahead were given back: claim none ahead until a job ends."""
+        self.held_off = True
+        self.adjust()
 
     def adjust(self) -> None:
-        target = ahead_target(self.concurrency, self.most, self.job_seconds, self.claim_seconds)
+        """Size the claims for what the slots are doing now (before each claim)."""
+        target = 0
+        if not self.held_off:
+            bound = self.wait_bound()
+            target = ahead_target(
+                self.concurrency,
+                self.most,
+                self.job_seconds,
+                self.claim_seconds,
+                stuck=self.stuck(bound),
+                bound=bound,
+                fixed=self.fixed,
+            )
         if target != self.target:
             self.target = target
             self.slots.resize(self.concurrency + target)
 
-    def beyond_free(self) -> bool:
-        """Whether jobs now in flight (a reservation just made included) may have to wait
-        for a slot: then the claim marks them claimed ahead (decision 015)."""
-        return self.slots.busy > self.concurrency
-
 
 def ahead_target(
-    concurrency: int, most: int, job_seconds: float | None, claim_seconds: float | None
+    concurrency: int,
+    most: int,
+    job_seconds: float | None,
+    claim_seconds: float | None,
+    *,
+    stuck: int = 0,
+    bound: float = GIVE_BACK_AFTER,
+    fixed: int | None = None,
 ) -> int:
-    """Jobs to claim beyond free slots for jobs and claims of these durations; 0 until
-    both have been seen. Pure."""
-    if job_seconds is None or claim_seconds is None or most <= 0:
+    """Jobs to claim beyond free slots for jobs and claims of these durations, with
+    ``stuck`` of the ``concurrency`` slots running a job longer than ``bound``: a pinned
+    number (``fixed``) shrinks with the slots that turn over; the sized one is 0 until a
+    job and a claim have been seen. Never more than the slots that turn over start within
+    ``bound``. Pure."""
+    turning = concurrency - stuck
+    if turning <= 0 or most <= 0:
         return 0
-    need = 2 * concurrency * claim_seconds / max(job_seconds, 1e-6)
-    if need < AHEAD_WORTHWHILE * concurrency:
+    if fixed is not None:
+        target = min(most, math.ceil(fixed * turning / concurrency))
+    elif job_seconds is None or claim_seconds is None:
         return 0
-    return min(most, math.ceil(need))
+    else:
+        need = 2 * turning * claim_seconds / max(job_seconds, 1e-6)
+        if need < AHEAD_WORTHWHILE * turning:
+            return 0
+        target = min(most, math.ceil(need))
+    if job_seconds is not None:
+        target = min(target, math.floor(turning * bound / max(job_seconds, 1e-6)))
+    return target
 
 
 class Reservation:
@@ -163,7 +211,7 @@ class Reservation:
     that runs as soon as it starts (a transactional session); that work takes it on.
     """
 
-    __slots__ = ("ahead", "gate", "kept", "permit", "size", "slots")
+    __slots__ = ("gate", "kept", "permit", "size", "slots")
 
     def __init__(self, slots: Slots, size: int, gate: asyncio.Semaphore | None = None) -> None:
         self.slots = slots
@@ -171,8 +219,6 @@ class Reservation:
         self.kept = 0
         self.gate = gate
         self.permit = False
-        # Whether the claimed jobs may wait for a slot (ClaimAhead.beyond_free).
-        self.ahead = False
 
     def keep(self, n: int) -> None:
         if self.kept + n > self.size:
@@ -225,8 +271,8 @@ class Producer:
         # Work that runs as soon as it starts (transactional sessions) also needs one of
         # the prefetch gate's run permits, which jobs claimed ahead wait for.
         self._gate = gate
-        # Lease-mode claims only: told how long each claim took, and says whether a
-        # claim's jobs may wait for a slot.
+        # Lease-mode claims only: told how long each claim took, and sized again before
+        # each claim.
         self._ahead = ahead
         self.claims = 0
         self.pending: asyncio.Future[bool] | None = None
@@ -240,12 +286,14 @@ class Producer:
             )
             if self._backpressure is not None:
                 await self._backpressure()
+            if self._ahead is not None:
+                # Sized for the slots as they are now: one stuck on a long job since the
+                # last claim must not take jobs ahead that would wait behind it.
+                self._ahead.adjust()
             want = min(self._slots.free, self._batch_max)
             if want <= 0:
                 continue
             reservation = self._slots.reserve(want, self._gate)
-            if self._ahead is not None:
-                reservation.ahead = self._ahead.beyond_free()
             if self._gate is not None:
                 try:
                     # Holding the slot, never the other way round: jobs claimed ahead hold

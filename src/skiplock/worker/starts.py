@@ -1,4 +1,5 @@
-"""Recording that jobs claimed ahead have started (a prefetching worker only).
+"""Telling the database what became of jobs claimed ahead (a prefetching worker only):
+started, or given back unstarted.
 
 A job a prefetching worker claims is marked claimed ahead (sql/claim.py, JOB_CLAIM_AHEAD),
 and rescue gives back the attempt of a marked job whose worker died: it never started.
@@ -6,7 +7,8 @@ Once a job starts, this service clears the mark, in one statement per batch, a m
 later and only if the job is still running then: most jobs finish first, and their
 outcome is then the only write. Until the mark is cleared a started job that loses its
 worker is given its attempt back (once in a row: see sql/maintenance.py); decision 015
-weighs that against a write before every start.
+weighs that against a write before every start. A job that waited too long for a slot,
+or whose worker is stopping, is given back unstarted instead (``give_back``, decision 018).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from uuid import UUID
 from psycopg_pool import AsyncConnectionPool
 
 from skiplock.completer import fenced_batch
-from skiplock.sql import claim, render
+from skiplock.config import done_channel, notify_channel
+from skiplock.sql import claim, complete, render
 from skiplock.worker.supervisor import PeriodicService
 
 log = logging.getLogger("skiplock.worker.starts")
@@ -28,6 +31,9 @@ log = logging.getLogger("skiplock.worker.starts")
 # How long after its start a job still running has its start recorded. Shorter means
 # fewer started jobs given back after a crash, at the price of a write for more jobs.
 RECORD_AFTER_SECONDS = 0.05
+# Why a job claimed ahead went back unstarted when its worker stopped (its errors say so,
+# as a released job's do).
+STOPPED_NOTE = "worker stopped before the job started; the attempt is not counted"
 
 
 class StartRecorder(PeriodicService):
@@ -46,6 +52,11 @@ class StartRecorder(PeriodicService):
         self._pool = pool
         self._statement = render(claim.JOB_MARK_STARTED, schema)
         self._still_claimed = render(claim.JOB_STILL_CLAIMED, schema)
+        self._give_back = render(complete.JOB_GIVE_BACK_UNSTARTED, schema)
+        self._start_keyed = render(claim.JOB_START_KEYED, schema)
+        self._done = render(complete.JOBS_DONE_NOTIFY, schema)
+        self._channel = notify_channel(schema)
+        self._done_channel = done_channel(schema)
         self._worker_id = worker_id
         self._leased = leased
         self._after = after
@@ -65,6 +76,36 @@ class StartRecorder(PeriodicService):
                 {"id": job_id, "attempt": attempt, "worker_id": self._worker_id},
             )
             return await cur.fetchone() is not None
+
+    async def start_keyed(self, job_id: int, attempt: int) -> bool:
+        """Record now that a job holding a queued-scope key starts, releasing the key;
+        False if the row is not this worker's attempt (or was locked by another
+        transaction)."""
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                self._start_keyed,
+                {"id": job_id, "attempt": attempt, "worker_id": self._worker_id},
+            )
+            return await cur.fetchone() is not None
+
+    async def give_back(self, jobs: dict[int, int], *, stopping: bool = False) -> int:
+        """Give back jobs (id -> attempt) this worker claimed ahead and never started,
+        with a note if the worker is ``stopping``; returns how many went back to their
+        queues (the others had been given back already, or were cancelled as asked)."""
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                self._give_back,
+                {
+                    **fenced_batch({job_id: {"attempt": a} for job_id, a in jobs.items()}),
+                    "worker_id": self._worker_id,
+                    "channel": self._channel,
+                    "note": STOPPED_NOTE if stopping else None,
+                },
+            )
+            rows = await cur.fetchall()
+            if any(row[0] is None for row in rows):  # some ended cancelled: wake waiters
+                await conn.execute(self._done, {"channel": self._done_channel})
+        return sum(int(row[1]) for row in rows if row[0] is not None)
 
     async def pause(self) -> None:
         await self._noted.wait()

@@ -750,12 +750,9 @@ class Worker:
         jobs, sessions = self._jobs, self._transactional
         assert jobs is not None and sessions is not None
         unfinished: dict[int, int] = {}
-        # Prefetched jobs that never started go back at once, their attempt given back.
-        for job_id in list(jobs.at_gate):
-            entry = jobs.held.pop(job_id, None)
-            if entry is not None:
-                unfinished[job_id] = entry[0]
-                entry[1].cancel()
+        # Jobs claimed ahead that never started go back now, before the running jobs are
+        # waited for: another worker can run them meanwhile (decision 018).
+        jobs.give_back_waiting()
         running = [task for _, task in jobs.held.values()] + list(sessions.running)
         if running:
             finished = asyncio.ensure_future(
@@ -780,6 +777,7 @@ class Worker:
         while asyncio.get_running_loop().time() < deadline:
             remaining = deadline - asyncio.get_running_loop().time()
             try:
+                await asyncio.wait_for(jobs.given_back_written(), remaining)
                 if completer.backlog:
                     # The completer service writes them: one flusher at a time, or two
                     # would write (and then drop) the same batch.
