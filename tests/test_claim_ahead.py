@@ -66,6 +66,35 @@ def test_claim_ahead_resizes_the_slots_and_a_fixed_prefetch_stays_put() -> None:
     assert fixed.target == 3 and fixed.slots.total == 5
 
 
+def test_slots_stuck_on_long_jobs_claim_nothing_ahead_and_the_bound_caps_the_target() -> None:
+    # 4 slots, 50 us jobs, 1 ms claims: 160 wanted; with 3 stuck, the one turning slot's.
+    assert ahead_target(4, 1000, 50e-6, 0.001, stuck=3) == 40
+    assert ahead_target(4, 1000, 50e-6, 0.001, stuck=4) == 0
+    assert ahead_target(2, 100, None, None, stuck=2, fixed=6) == 0
+    assert ahead_target(2, 100, None, None, stuck=1, fixed=6) == 3  # a pinned number shrinks
+    # No more than the turning slots start within the bound: 2 slots, 20 ms jobs, 50 ms.
+    assert ahead_target(2, 100, 0.02, 0.001, fixed=40, bound=0.05) == 5
+    assert ahead_target(1, 100, 0.06, 0.01, bound=0.05) == 0  # one would wait 60 ms
+    assert ahead_target(1, 100, 0.06, 0.01, fixed=3, bound=0.05) == 0
+
+
+def test_after_a_give_back_nothing_is_claimed_ahead_until_a_job_ends() -> None:
+    slots = Slots(1)
+    ahead = ClaimAhead(slots, 1, most=100)
+    ahead.job_ended(50e-6)
+    ahead.claimed(0.001)
+    assert ahead.target == 40 and slots.total == 41
+    ahead.hold_off()
+    ahead.claimed(0.001)
+    assert ahead.target == 0 and slots.total == 1
+    ahead.job_ended(50e-6)
+    ahead.adjust()
+    assert ahead.target > 0
+    assert ahead.wait_bound() == producer.GIVE_BACK_AFTER  # 2 x 1 ms claims is less
+    ahead.claimed(1.0)
+    assert ahead.wait_bound() > producer.GIVE_BACK_AFTER
+
+
 class Overlap:
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -175,7 +175,7 @@ class Worker:
         self.liveness_lock = liveness_lock and (not pooler or self.listen)
         # Jobs claimed beyond free capacity, waiting here (leased and heartbeated) for a
         # slot: their start then costs no claim round trip. None sizes it from how long
-        # jobs and claims take (decision 018); a number pins it; 0 turns it off.
+        # jobs and claims take (decision 018); a number caps it; 0 turns it off.
         self.prefetch = prefetch
         self.id: UUID = uuid4()
         self._rng = random.Random()
