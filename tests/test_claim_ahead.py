@@ -472,3 +472,38 @@ def test_a_stopping_worker_gives_its_waiting_jobs_back_while_its_running_job_run
     finally:
         setup.release.set()
     setup.handle.join()
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_a_running_job_is_not_marked_claimed_ahead_for_long(
+    app: skiplock.App, start_worker: StartWorker, prefetch: int
+) -> None:
+    """Rescue must charge a job that started. Without prefetch no claim is marked; with
+    it, a claim asking for more jobs than it has run permits is, and the start of a job
+    that runs is recorded a moment after it starts (decision 015)."""
+    running = threading.Event()
+    release = threading.Event()
+
+    @app.task(name="runs")
+    def runs() -> None:
+        running.set()
+        release.wait(30)
+
+    start_worker(app, concurrency=1, prefetch=prefetch)
+    try:
+        with psycopg.connect(app.database_url) as conn:
+            (job_id,) = app.enqueue_many(conn, [runs.job()])
+        assert running.wait(30)
+
+        def row() -> object:
+            with psycopg.connect(app.database_url, autocommit=True) as conn:
+                return conn.execute(
+                    f"SELECT state, claimed_ahead FROM {app.schema}.jobs WHERE id = %s",
+                    (job_id,),
+                ).fetchone()
+
+        if prefetch:
+            wait_until(lambda: row() == ("running", False), 10.0, "its start to be recorded")
+        assert row() == ("running", False)
+    finally:
+        release.set()

@@ -180,8 +180,10 @@ class LeasedJobs:
                     params["limit"] = limit = granted
                     if limit == 0:
                         return False
-            statement = statements[granted < limit, after is not None]  # marked: more than
-            # it has permits for
+            # Marked: it brings more jobs than it has run permits for (without a gate, every
+            # job runs at once).
+            marked = gate is not None and granted < limit
+            statement = statements[marked, after is not None]
             asked_at = time.monotonic()  # what the answer says holds from then on, at best
             try:
                 if queue in limits:
@@ -207,7 +209,6 @@ class LeasedJobs:
             rows = [position[3] for position in positions]
             cursor.advance([position[:3] for position in positions])
             told = job_log.told()
-            marked = granted < limit  # (the claim said which hold a queued key: row[10])
             for n, row in enumerate(rows):
                 job = executor.claimed_from_row(row)
                 task = asyncio.create_task(
@@ -218,7 +219,7 @@ class LeasedJobs:
                         claimed,
                         permitted=n < granted,
                         marked=marked,
-                        keyed=marked and bool(row[10]),
+                        keyed=marked and bool(row[10]),  # the marked claim says which
                     )
                 )
                 self.held[job.id] = (job.attempts, task)
