@@ -95,7 +95,8 @@ class LeasedJobs:
         # Tasks of jobs given back while they waited (they end without an outcome), and
         # the give-back writes in flight.
         self._withdrawn: set[asyncio.Task[None]] = set()
-        self._giving_back: set[asyncio.Task[None]] = set()
+        # Give-back writes in flight, and the jobs each gives back.
+        self._giving_back: dict[asyncio.Task[None], list[int]] = {}
         self.given_back = 0
         self.stopping = False
         # Jobs whose handler was called, with when (loop time): a slot whose job has run
@@ -414,8 +415,8 @@ class LeasedJobs:
             return None
         self.given_back += len(batch)
         write = asyncio.get_running_loop().create_task(self._write_give_back(batch))
-        self._giving_back.add(write)
-        write.add_done_callback(self._giving_back.discard)
+        self._giving_back[write] = list(batch)
+        write.add_done_callback(lambda done: self._giving_back.pop(done, None))
         return write
 
     async def _write_give_back(self, batch: dict[int, int]) -> None:
@@ -447,7 +448,13 @@ class LeasedJobs:
     async def given_back_written(self) -> None:
         """Wait for the give-back writes in flight."""
         while self._giving_back:
-            await asyncio.gather(*self._giving_back, return_exceptions=True)
+            await asyncio.gather(*list(self._giving_back), return_exceptions=True)
+
+    def giving_back(self) -> list[int]:
+        """The jobs whose give-back is being written: still this worker's in the database
+        for a moment, and not for the heartbeat's reconciliation to give back again (it
+        would charge, or spend the uncounted rescue of, a job that never started)."""
+        return [job_id for batch in self._giving_back.values() for job_id in batch]
 
     def confirmed(self, asked_at: float) -> None:
         """A heartbeat confirmed every lease held when it took its list of them at

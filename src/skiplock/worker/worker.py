@@ -399,7 +399,9 @@ class Worker:
             claims=self._claims,
             # Stopping, nothing is given back but by the drain.
             settling=lambda: (
-                None if self._stop is None or self._stop.is_set() else completer.pending_ids()
+                None
+                if self._stop is None or self._stop.is_set()
+                else [*completer.pending_ids(), *jobs.giving_back()]
             ),
         )
         if ahead is not None:
