@@ -14,7 +14,7 @@ import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -358,6 +358,29 @@ def test_a_job_claimed_ahead_releases_its_queued_key_when_it_really_starts(
     later = sem.enqueue(setup.refresh, page=1)
     assert not later.duplicate
     assert sem.wait_for_state(int(later), "completed").result == 2
+
+
+@pytest.mark.parametrize("when", ["scheduled", "available"])
+def test_retrying_a_job_that_never_started_keeps_its_queued_key(
+    sem: Sem, run_cli: RunCli, when: str
+) -> None:
+    """A retry moves a waiting job to now; it has not started, so its queued-scope key
+    stays with it and a duplicate is still refused."""
+
+    @sem.app.task(name="refresh", unique=True, unique_scope="queued")
+    def refresh(page: int) -> None: ...
+
+    soon = datetime.now(UTC) + timedelta(hours=1)
+    later = refresh.with_options(run_at=soon) if when == "scheduled" else refresh
+    first = int(sem.enqueue(later, page=1))
+    key = 'refresh:{"page":1}'
+
+    retried = run_cli("jobs", "retry", str(first))
+
+    assert (retried.code, retried.err) == (0, "")
+    assert keys_of(sem, first) == (None, key)
+    again = sem.enqueue(refresh, page=1)
+    assert again.duplicate and int(again) == first
 
 
 # -- racing enqueues -------------------------------------------------------------------

@@ -49,15 +49,17 @@ WITH moved AS (
         lease_expires_at = NULL,
         cancel_requested_at = NULL,
         -- A dead job held no key; if a live job holds it now (or a job retried in this
-        -- same call takes it first), this one runs without. A queued-scope key is gone for
-        -- good: the job has started before.
+        -- same call takes it first), this one runs without. A queued-scope key stays with
+        -- a job that never started (scheduled, available: it holds the key now); one that
+        -- has started (dead, retryable) gave it up for good.
         unique_key = CASE WHEN EXISTS (
             SELECT 1 FROM {jobs} AS other
             WHERE other.unique_key = {jobs}.unique_key AND other.id <> {jobs}.id
               AND (other.state <> 'dead'
                    OR (other.id = ANY(%(ids)s::bigint[]) AND other.id < {jobs}.id)))
             THEN NULL ELSE unique_key END,
-        unique_queued_key = NULL
+        unique_queued_key = CASE WHEN state IN ('scheduled', 'available')
+                                 THEN unique_queued_key END
     WHERE id = ANY(%(ids)s::bigint[])
       AND state IN ('dead', 'retryable', 'scheduled', 'available')
     RETURNING queue, priority, run_at
