@@ -181,6 +181,7 @@ def test_the_heartbeat_gives_back_only_what_no_claim_in_flight_or_outcome_may_de
                 "queues": [QUEUE],
                 "concurrency": 2,
                 "holds_lock": False,
+                "lease_seconds": LEASE,
                 "service_restarts": Jsonb({}),
             },
             leased=leased,

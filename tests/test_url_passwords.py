@@ -147,7 +147,9 @@ def test_the_dashboard_refuses_a_malformed_url_without_its_password(
 def test_the_dashboards_error_page_names_an_unreachable_host_without_the_passwords_tail() -> None:
     url, password = UNRESOLVABLE
 
-    with TestClient(create_app(url, "skiplock"), raise_server_exceptions=False) as web:
+    with TestClient(
+        create_app(url, "skiplock"), base_url="http://localhost", raise_server_exceptions=False
+    ) as web:
         page = web.get("/")
 
     assert "cannot reach the database" in page.text
