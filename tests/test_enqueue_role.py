@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,8 +31,10 @@ import skiplock
 from conftest import WorkerThread
 from roles import Roles, login_roles
 from skiplock import client, grants
+from skiplock.config import notify_channel
 from skiplock.contrib import sqlalchemy as contrib
 from skiplock.grants import Use
+from skiplock.sql import maintenance, render
 from skiplock.tasks import JobSpec
 
 pytestmark = pytest.mark.timeout(120)
@@ -209,6 +212,51 @@ def test_a_running_row_with_a_made_up_worker_does_not_stall_a_limited_queue(
             (stray,),
         ).fetchone() or (None,)
     assert [e["type"] for e in errors] == ["WorkerUnknown"]
+
+
+def test_a_live_worker_that_lost_its_registration_keeps_the_jobs_it_just_claimed(
+    database_url: str, schema: str, jobs: str
+) -> None:
+    """After a server restart the leader may drop the registration of a worker still
+    reconnecting (no liveness lock yet); that worker goes on claiming, under leases of an
+    ordinary length, and registers again at its next beat. Its jobs are not strays: taken
+    as such they ran twice (tests/chaos' restart scenario). Only a lease further ahead than
+    any registered worker writes, on a claim older than such a lease, marks one."""
+    live = uuid.uuid4()
+    with psycopg.connect(database_url, autocommit=True) as owner:
+        owner.execute(
+            render(maintenance.WORKER_REGISTER, schema),
+            {
+                "id": live,
+                "host": "h",
+                "pid": 1,
+                "queues": ["default"],
+                "concurrency": 1,
+                "holds_lock": True,
+            },
+        )
+        owner.execute(
+            sql.SQL("UPDATE {} SET lease_seconds = 60").format(sql.Identifier(schema, "workers"))
+        )
+        (claimed,) = run(
+            owner,
+            "INSERT INTO {jobs} (task, args, state, attempts, worker_id, attempted_at,"
+            " lease_expires_at) VALUES ('echo', '{{}}', 'running', 1, gen_random_uuid(), now(),"
+            " now() + interval '60 seconds') RETURNING id",
+        )[0]
+        (stray,) = run(
+            owner,
+            "INSERT INTO {jobs} (task, args, state, attempts, worker_id, lease_expires_at) "
+            "VALUES ('echo', '{{}}', 'running', 1, gen_random_uuid(), 'infinity') RETURNING id",
+        )[0]
+        moved = owner.execute(
+            render(maintenance.JOB_RESCUE_STRAY, schema),
+            {"worker_id": live, "channel": notify_channel(schema)},
+        ).fetchall()
+        states = dict(run(owner, "SELECT id, state FROM {jobs} ORDER BY id"))
+
+    assert len(moved) == 1
+    assert states == {claimed: "running", stray: "available"}
 
 
 def test_a_lease_longer_than_its_workers_own_is_rescued(

@@ -135,21 +135,30 @@ SELECT NULL, count(*), NULL::void FROM ended HAVING count(*) > 0
 """
 )
 
-# A running row that no live worker wrote (decision 022): its worker is not registered
-# and holds no liveness lock (a made-up id, or a worker gone before a rescue saw it), or
-# its lease ends further ahead than its worker's leases ever do (workers.lease_seconds:
-# a worker writes now() + that, and clock_timestamp() is past the writer's now()). Such a
-# row would otherwise wait for a lease that may never end ('infinity'), holding a slot of
-# a limited queue. Never the rescuer's own worker: its own try-lock would succeed (see
-# WORKERS_GONE). CASE: the try-lock only for rows whose worker is not registered.
+# A running row that no live worker wrote (decision 022): its lease ends further ahead
+# than its worker's leases ever do (workers.lease_seconds: a worker writes now() + that,
+# and clock_timestamp() is past the writer's now()), or, under a worker not registered
+# and holding no liveness lock, further ahead than any registered worker's, on a claim
+# older than such a lease (a made-up id with an 'infinity' lease, say). Such a row would
+# otherwise wait for a lease that may never end, holding a slot of a limited queue. An
+# unregistered worker's ordinary lease is left to run out (JOB_RESCUE_EXPIRED): after a
+# server restart the leader drops the registration of a worker still reconnecting, which
+# goes on claiming and registers again at its next beat; its jobs are not strays (taken
+# as such, they ran twice). Never the rescuer's own worker: its own try-lock would
+# succeed (see WORKERS_GONE). CASE: the try-lock only for rows whose worker is not
+# registered, and whose lease and claim say no worker wrote them.
 _STRAY = """(
-    CASE WHEN NOT EXISTS (SELECT 1 FROM {workers} AS w WHERE w.id = j.worker_id)
-              AND j.worker_id <> %(worker_id)s
+    CASE WHEN EXISTS (SELECT 1 FROM {workers} AS w WHERE w.id = j.worker_id)
+         THEN j.lease_expires_at > clock_timestamp() + interval '1 second'
+              + (SELECT w.lease_seconds FROM {workers} AS w WHERE w.id = j.worker_id)
+                * interval '1 second'
+         WHEN j.worker_id = %(worker_id)s THEN false
+         WHEN j.lease_expires_at > clock_timestamp() + interval '1 second'
+              + (SELECT max(w.lease_seconds) FROM {workers} AS w) * interval '1 second'
+          AND coalesce(j.attempted_at, '-infinity') < clock_timestamp()
+              - (SELECT max(w.lease_seconds) FROM {workers} AS w) * interval '1 second'
          THEN pg_try_advisory_xact_lock(hashtextextended(j.worker_id::text, 0))
-         ELSE false END
-    OR j.lease_expires_at > clock_timestamp() + interval '1 second'
-       + (SELECT w.lease_seconds FROM {workers} AS w WHERE w.id = j.worker_id)
-         * interval '1 second')"""
+         ELSE false END)"""
 
 # A job whose cancellation was asked for while its worker died (or hung past its lease,
 # or never existed) is not rescued: it ends cancelled, as asked.
