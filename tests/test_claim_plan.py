@@ -318,3 +318,44 @@ def test_admission_reads_the_jobs_table_by_index_conditions_only(
     for scan in scans:
         assert scan["Node Type"] in ("Index Scan", "Index Only Scan", "Tid Scan"), scan
         assert scan.get("Index Cond") or scan.get("TID Cond"), scan
+
+
+# -- no JIT on a worker's statements ----------------------------------------------------
+
+MAINTENANCE: dict[str, tuple[str, dict[str, Any]]] = {
+    "gone": (maintenance.WORKERS_GONE, {"worker_id": uuid.uuid4()}),
+    "orphaned": (
+        maintenance.JOB_RESCUE_ORPHANED,
+        {"worker_id": uuid.uuid4(), "channel": "c", "workers": [uuid.uuid4()]},
+    ),
+    "expired": (maintenance.JOB_RESCUE_EXPIRED, {"worker_id": uuid.uuid4(), "channel": "c"}),
+    "stray": (maintenance.JOB_RESCUE_STRAY, {"worker_id": uuid.uuid4(), "channel": "c"}),
+    "cancel abandoned": (
+        maintenance.JOB_CANCEL_ABANDONED,
+        {"worker_id": uuid.uuid4(), "channel": "c"},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted({**ROBUST, **MAINTENANCE}))
+def test_no_worker_statement_is_compiled_by_jit(filled: psycopg.Connection[Any], name: str) -> None:
+    """Worker sessions refuse sequential scans (WORKER_SESSION_OPTIONS), which prices one
+    at 10^10: a statement that still needs one (the largest lease among the registered
+    workers, read by the stray rescue) then passes jit_above_cost, and its compilation
+    cost about 300 ms of server CPU on every run, tripling PostgreSQL's CPU per job in
+    `bench --scenarios lowconc`. Planned as a worker session plans it, no statement is
+    compiled."""
+    conn = filled
+    if conn.execute("SELECT pg_jit_available()").fetchone() != (True,):
+        pytest.skip("this server cannot compile with JIT")
+    for name_value in re.findall(r"-c (\w+)=(\S+)", claim.WORKER_SESSION_OPTIONS):
+        conn.execute("SELECT set_config(%s, %s, true)", name_value)
+    statements: dict[str, tuple[str, dict[str, Any]]] = {**ROBUST, **MAINTENANCE}
+    template, params = statements[name]
+
+    row = conn.execute(
+        "EXPLAIN (FORMAT JSON) " + render(template, SCHEMA), params, prepare=False
+    ).fetchone()
+
+    assert row is not None
+    assert "JIT" not in row[0][0], row[0][0]["JIT"]

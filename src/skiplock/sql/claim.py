@@ -11,7 +11,13 @@
 # among many dead ones, and a planner that takes it for tiny may choose to read all of it.
 # With VACUUM held back that is every version of every job since. (Joins by id also say
 # `id = ANY(...)` for the same reason: sql/complete.py.)
-WORKER_SESSION_OPTIONS = "-c synchronous_commit=off -c enable_seqscan=off"
+#
+# And without JIT compilation: a refused sequential scan is priced at 10^10, so a statement
+# that still needs one (a read of the small workers table) passes jit_above_cost, and
+# compiling it costs far more than running it: about 300 ms of server CPU per run for the
+# stray rescue, tens of ms per second for the rescuer's WORKERS_GONE. No worker statement
+# runs long enough to gain from compiling.
+WORKER_SESSION_OPTIONS = "-c synchronous_commit=off -c enable_seqscan=off -c jit=off"
 
 # Lease mode: lock up to `limit` ready rows, skipping those another worker holds, and mark
 # them running in the same statement; the caller commits at once. The CTE is what makes
