@@ -28,6 +28,7 @@ from psycopg.types.json import Jsonb
 
 import skiplock
 from skiplock.embedded import embedded_database_url
+from skiplock.sql import render, wakeup
 
 SCHEMA = "skiplock"
 CHANNEL = f"{SCHEMA}.jobs"
@@ -271,6 +272,15 @@ class Listener:
                 if note.payload == sentinel:
                     return queues
                 queues.append(note.payload.split("\t", 1)[0])
+
+    def wait_on(self, *queues: str, schema: str = "skiplock") -> None:
+        """Hold the sentinel keys of ``queues`` from this connection, as an idle worker
+        does (decision 023): inserts into them notify from now on."""
+        for queue in queues:
+            row = self.conn.execute(
+                render(wakeup.SENTINEL_ARM, schema), {"queue": queue, "schema": schema}
+            ).fetchone()
+            assert row == ("armed",), (queue, row)
 
     def close(self) -> None:
         self.conn.close()

@@ -19,7 +19,7 @@ import pytest
 from psycopg import sql
 
 from skiplock.completer import fenced_batch
-from skiplock.sql import claim, complete, keys, maintenance, render
+from skiplock.sql import claim, complete, keys, maintenance, render, wakeup
 
 SCHEMA = "skiplock"
 CLAIM_INDEX = "jobs_claim"
@@ -220,7 +220,46 @@ ROBUST = {
     "release": (complete.JOB_RELEASE_MANY_IF_LEASED, {**fenced(), "channel": "c"}),
     "mark started": (claim.JOB_MARK_STARTED, fenced()),
     "promote": (maintenance.JOB_PROMOTE_DUE, {"limit": 1000, "channel": "c"}),
+    "late commits": (
+        wakeup.JOB_LATE_COMMITS,
+        {
+            "queues": ["default", "emails"],
+            "xmax": ["1000", "1000"],
+            "after_id": [0, 0],
+            "p_queues": ["default"],
+            "p_xids": ["990"],
+            "p_after_id": [0],
+            "exclude_tasks": ["t1"],
+            "limit": 1000,
+        },
+    ),
 }
+
+
+@pytest.mark.parametrize("planner", sorted(PLANNERS))
+@pytest.mark.parametrize("statistics", ["true", "tiny"])
+def test_the_late_commit_read_starts_at_the_recent_end_of_its_index(
+    filled: psycopg.Connection[Any], planner: str, statistics: str
+) -> None:
+    """Decision 023: both parts of the read are index scans of jobs_enqueued bounded by
+    the previous snapshot (never jobs_claim or the primary key, which would walk every
+    ready job, or every entry VACUUM could not remove yet), whatever the statistics."""
+    if statistics == "tiny":
+        misleading(filled)
+    assert "-c enable_sort=off" in wakeup.WAKEUP_SESSION_OPTIONS  # as the session runs
+    filled.execute("SET LOCAL enable_sort = off")
+    template, params = ROBUST["late commits"]
+    plan = PLANNERS[planner](filled, render(template, SCHEMA), params)
+
+    scans = [
+        n for n in nodes(plan) if n.get("Relation Name") == "jobs" and "Scan" in n["Node Type"]
+    ]
+    assert len(scans) == 2, [(n["Node Type"], n.get("Index Name")) for n in scans]
+    for scan in scans:
+        assert scan["Node Type"] in ("Index Scan", "Bitmap Heap Scan"), scan["Node Type"]
+        index = scan if scan["Node Type"] == "Index Scan" else scan["Plans"][0]
+        assert index.get("Index Name") == "jobs_enqueued", index.get("Index Name")
+        assert "enqueued_xid" in index["Index Cond"], index["Index Cond"]
 
 
 @pytest.mark.parametrize("planner", sorted(PLANNERS))

@@ -68,6 +68,7 @@ def test_notification_is_sent_at_commit_not_before(
     app: skiplock.App, database_url: str, listener: Listener
 ) -> None:
     task = app.task(name="send_receipt", queue="emails")(lambda order_id: None)
+    listener.wait_on("emails")
 
     with psycopg.connect(database_url) as conn:
         task.enqueue(conn, order_id=1)
@@ -83,6 +84,7 @@ def test_async_enqueue_follows_the_transaction_too(
     app: skiplock.App, database_url: str, listener: Listener
 ) -> None:
     task = app.task(name="send_receipt")(lambda order_id: None)
+    listener.wait_on("default")
 
     async def scenario() -> tuple[list[str], list[str], int]:
         async with await psycopg.AsyncConnection.connect(database_url) as aconn:
@@ -106,6 +108,7 @@ def test_async_enqueue_follows_the_transaction_too(
 def test_plain_sql_insert_works_and_notifies(
     app: skiplock.App, autocommit: psycopg.Connection[Any], listener: Listener
 ) -> None:
+    listener.wait_on("default")
     autocommit.execute("""INSERT INTO skiplock.jobs (task, args) VALUES ('x', '{"a": 1}')""")
 
     assert listener.collect() == ["default"]
@@ -204,6 +207,7 @@ def test_enqueue_many_sends_one_notification_per_queue(
     send = app.task(name="send", queue="emails")(lambda n: None)
     specs = [send.job(n=n) for n in range(20)]
     specs += [send.with_options(queue="sms").job(n=n) for n in range(20)]
+    listener.wait_on("emails", "sms")
 
     with psycopg.connect(database_url) as conn:
         app.enqueue_many(conn, specs)
@@ -214,6 +218,7 @@ def test_enqueue_many_sends_one_notification_per_queue(
 
 def test_enqueue_many_async(app: skiplock.App, database_url: str, listener: Listener) -> None:
     send = app.task(name="send")(lambda n: None)
+    listener.wait_on("default")
 
     async def scenario() -> list[int]:
         async with await psycopg.AsyncConnection.connect(database_url) as aconn:

@@ -1,5 +1,6 @@
 """NOTIFY is a wake-up sent by a statement-level insert trigger: one per queue per statement,
-on a channel named after the schema, only when the inserting transaction commits."""
+on a channel named after the schema, only when the inserting transaction commits, and only
+while a worker waits on the queue (its sentinel keys: decision 023)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ def test_the_key_triggers_fire_only_for_keyed_rows(autocommit: psycopg.Connectio
 def test_a_multi_row_insert_notifies_each_queue_once(
     app: skiplock.App, autocommit: psycopg.Connection[Any], listener: Listener
 ) -> None:
+    listener.wait_on("a", "b", "c")
     autocommit.execute(
         "INSERT INTO skiplock.jobs (task, queue) "
         "SELECT 't', (ARRAY['a', 'b', 'c'])[1 + i % 3] FROM generate_series(1, 300) AS i"
@@ -59,6 +61,7 @@ def test_a_multi_row_insert_notifies_each_queue_once(
 def test_separate_statements_notify_separately(
     app: skiplock.App, database_url: str, listener: Listener
 ) -> None:
+    listener.wait_on("a", "b")
     with psycopg.connect(database_url) as conn:
         conn.execute("INSERT INTO skiplock.jobs (task, queue) VALUES ('t', 'a')")
         conn.execute("INSERT INTO skiplock.jobs (task, queue) VALUES ('t', 'b')")
@@ -69,6 +72,7 @@ def test_separate_statements_notify_separately(
 def test_copy_into_the_jobs_table_notifies_each_queue_once(
     app: skiplock.App, database_url: str, listener: Listener
 ) -> None:
+    listener.wait_on("even", "odd")
     copy_in = "COPY skiplock.jobs (task, queue, args) FROM STDIN"
     with psycopg.connect(database_url) as conn, conn.cursor().copy(copy_in) as copy:
         for n in range(100):
@@ -86,6 +90,8 @@ def test_each_schema_notifies_on_its_own_channel(
     other_app.migrate()
     task = other_app.task(name="t")(lambda: None)
     other = Listener(database_url, f"{scratch_schema}.jobs")
+    other.wait_on("default", schema=scratch_schema)
+    listener.wait_on("default")
     try:
         with psycopg.connect(database_url) as conn:
             task.enqueue(conn)
@@ -100,8 +106,9 @@ def test_each_schema_notifies_on_its_own_channel(
 def test_a_manual_retry_notifies_the_jobs_queue(
     app: skiplock.App, make_job: JobFactory, listener: Listener, database_url: str
 ) -> None:
+    listener.wait_on("emails")
     job_id = make_job(queue="emails", state="dead", attempts=3)
-    assert listener.collect() == ["emails"]  # the insert itself
+    assert listener.collect() == []  # a dead job is nothing to claim
 
     with psycopg.connect(database_url) as conn:
         client.retry_job(conn, app.schema, job_id)

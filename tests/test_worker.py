@@ -791,9 +791,11 @@ def test_a_job_behind_the_cursor_that_nobody_announced_is_found_by_the_probe(
     probe: bool,
 ) -> None:
     """A ready job can appear behind the claim cursor with no notification (here: made
-    available by a plain UPDATE, which fires no trigger). Claims resume after the cursor
-    and never see it; the background probe finds it and rewinds. With the probe slowed
-    to once a minute, the same job stays put: the probe, not a poll, found it."""
+    available by a plain UPDATE, which fires no trigger, and a row from before 0021, with
+    no inserting transaction on record, so the late-commit read of decision 023 cannot
+    see it either). Claims resume after the cursor and never see it; the background probe
+    finds it and rewinds. With the probe slowed to once a minute, the same job stays put:
+    the probe, not a poll, found it."""
     executions = Executions()
 
     @app.task(name="mark")
@@ -808,8 +810,8 @@ def test_a_job_behind_the_cursor_that_nobody_announced_is_found_by_the_probe(
     with psycopg.connect(app.database_url) as conn:
         hidden = mark.with_options(delay=3600).enqueue(conn, n=2)
     autocommit.execute(
-        "UPDATE skiplock.jobs SET state = 'available', run_at = now() - interval '1 hour' "
-        "WHERE id = %s",
+        "UPDATE skiplock.jobs SET state = 'available', run_at = now() - interval '1 hour', "
+        "enqueued_xid = NULL WHERE id = %s",
         (hidden,),
     )
     # Later jobs keep the cursor moving past it.

@@ -22,10 +22,20 @@ import psycopg
 
 from skiplock.retry import RetryPolicy
 from skiplock.waiting import wait_event
+from skiplock.worker.wakeup import Armed, WakeupSession
 
 log = logging.getLogger("skiplock.worker.producer")
 
 RECONNECT = RetryPolicy(base=0.1, factor=2.0, cap=10.0, jitter=0.5)
+
+# A producer whose claim came back short keeps claiming every LINGER_GAP for this long
+# before it arms its queue's sentinel (decision 023): under a steady flow a claim a
+# millisecond later finds the next jobs, and arming would make each insert until then
+# notify. An insert in flight that keeps it from arming makes it claim again after
+# LINGER_GAP, then at doubling gaps up to IN_FLIGHT_GAP_MAX.
+LINGER_SECONDS = 0.005
+LINGER_GAP = 0.001
+IN_FLIGHT_GAP_MAX = 0.016
 
 
 class Slots:
@@ -211,7 +221,7 @@ class Reservation:
     that runs as soon as it starts (a transactional session); that work takes it on.
     """
 
-    __slots__ = ("gate", "kept", "permit", "size", "slots")
+    __slots__ = ("gate", "jobs", "kept", "permit", "size", "slots")
 
     def __init__(self, slots: Slots, size: int, gate: asyncio.Semaphore | None = None) -> None:
         self.slots = slots
@@ -219,6 +229,9 @@ class Reservation:
         self.kept = 0
         self.gate = gate
         self.permit = False
+        # How many jobs the claim brought, when that is not the slots it kept (a
+        # transactional session keeps one slot for its whole batch).
+        self.jobs: int | None = None
 
     def keep(self, n: int) -> None:
         if self.kept + n > self.size:
@@ -259,6 +272,8 @@ class Producer:
         backpressure: Callable[[], Awaitable[None]] | None = None,
         gate: asyncio.Semaphore | None = None,
         ahead: ClaimAhead | None = None,
+        queue: str | None = None,
+        waiting: WakeupSession | None = None,
     ) -> None:
         self.name = name
         self._fetch = fetch
@@ -276,10 +291,14 @@ class Producer:
         self._ahead = ahead
         self.claims = 0
         self.pending: asyncio.Future[bool] | None = None
+        # Inserts wake this producer only through a sentinel it arms (decision 023).
+        self._queue = queue
+        self._waiting = waiting if queue is not None else None
 
     async def run(self) -> None:
         rng = random.Random()
         failures = 0
+        last_jobs, gap = float("-inf"), LINGER_GAP
         while True:
             await self._slots.wait_free(
                 min(self._batch_max, max(1, self._slots.total // 2)), self._patience
@@ -331,6 +350,26 @@ class Producer:
                 await asyncio.sleep(delay)
                 continue
             self.claims += 1
+            if self._waiting is None or self._queue is None:
+                if not full:
+                    await wait_event(self._wake, self._poll_interval)
+                continue
+            now = loop.time()
+            if reservation.kept if reservation.jobs is None else reservation.jobs:
+                self._waiting.busy(self._queue, self)
+                last_jobs, gap = now, LINGER_GAP
             if full:
                 continue  # a full batch: more is probably waiting
+            if now - last_jobs < LINGER_SECONDS:
+                await wait_event(self._wake, LINGER_GAP)
+                continue
+            armed = await self._waiting.arm(self._queue, self)
+            if armed is not Armed.IN_FLIGHT:
+                gap = LINGER_GAP
+            if armed is Armed.NOW:
+                continue  # what committed before the keys were taken notified nobody
+            if armed is Armed.IN_FLIGHT:
+                await wait_event(self._wake, min(gap, IN_FLIGHT_GAP_MAX, self._poll_interval))
+                gap = min(gap * 2, IN_FLIGHT_GAP_MAX)
+                continue
             await wait_event(self._wake, self._poll_interval)

@@ -25,6 +25,7 @@ from skiplock import executor
 from skiplock.app import App
 from skiplock.worker.limits import QueueLimits
 from skiplock.worker.producer import Producer, Reservation, Slots
+from skiplock.worker.wakeup import WakeupSession
 
 log = logging.getLogger("skiplock.worker")
 
@@ -110,7 +111,14 @@ class TransactionalSessions:
         await asyncio.wait({session})
 
     def producer(
-        self, queue: str, slots: Slots, wake: asyncio.Event, start: Start, *, in_thread: bool
+        self,
+        queue: str,
+        slots: Slots,
+        wake: asyncio.Event,
+        start: Start,
+        *,
+        in_thread: bool,
+        waiting: WakeupSession | None = None,
     ) -> Producer:
         limits = self.limits
         gate = self._gate
@@ -135,7 +143,7 @@ class TransactionalSessions:
             if in_thread:
                 self.in_threads.add(session)
                 session.add_done_callback(self.in_threads.discard)
-            got = await claimed
+            got = reservation.jobs = await claimed
             # A full batch means more may be waiting: start another session at once.
             return got >= self.batch
 
@@ -148,6 +156,8 @@ class TransactionalSessions:
             poll_interval=self.poll_interval,
             fetch_patience=0.0,
             gate=gate,
+            queue=queue,
+            waiting=waiting,
         )
 
     def _forget(self, session: asyncio.Task[None]) -> None:

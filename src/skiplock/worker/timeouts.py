@@ -35,6 +35,11 @@ class Bounds:
 MAINTENANCE = Bounds(lock=2.0, statement=30.0)
 
 
+# The wake-up session's statements (worker/wakeup.py): its lock tries never wait, and a
+# late-commit read that ran this long would better be cut and tried again.
+WAKEUP = Bounds(lock=1.0, statement=5.0)
+
+
 def heartbeat_bounds(every: float) -> Bounds:
     """A heartbeat waits at most one beat for a lock and two for a statement: a beat that
     gives up is sent again on the next, well before the lease (three beats) runs out."""

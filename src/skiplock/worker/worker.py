@@ -38,7 +38,7 @@ from skiplock.metrics import NullMetrics
 from skiplock.migrate import pending_migrations
 from skiplock.pooler import WorkerConnections, check_worker_connections, resolve_poll_interval
 from skiplock.retry import RetryPolicy
-from skiplock.sql import claim, complete, maintenance, render
+from skiplock.sql import claim, complete, maintenance, render, wakeup
 from skiplock.tasks import MAX_QUEUE_NAME, check_name
 from skiplock.types import ClaimedJob
 from skiplock.waiting import wait_event
@@ -65,11 +65,15 @@ from skiplock.worker.sessions import TransactionalSessions
 from skiplock.worker.starts import StartRecorder
 from skiplock.worker.stats import WorkerStats
 from skiplock.worker.supervisor import Every, Loop, Service, Supervisor
-from skiplock.worker.timeouts import MAINTENANCE, heartbeat_bounds
+from skiplock.worker.timeouts import MAINTENANCE, WAKEUP, heartbeat_bounds
+from skiplock.worker.wakeup import LateCommits, WakeupSession
 
 log = logging.getLogger("skiplock.worker")
 
 FINAL_WRITES_SECONDS = 15.0
+# How often a busy worker looks for jobs that committed behind its claim cursor (decision
+# 023): such a job waits at most about this long plus a claim.
+LATE_COMMITS_SECONDS = 0.02
 # Connections for the maintenance services: at most one each at a time.
 MAINTENANCE_POOL_SIZE = 7
 # How long a pool keeps retrying one lost connection before it gives up on that attempt
@@ -198,6 +202,7 @@ class Worker:
         self._abandon = asyncio.Event()
         # This worker's queues that have a concurrency or rate limit, and their wake-ups.
         self._wake: dict[str, asyncio.Event] = {}
+        self._wakeups: WakeupSession | None = None
         self._limits: QueueLimits | None = None
         # Sync handlers still running when shutdown gave up on them. Their threads cannot
         # be stopped, and Python waits for them at exit: the CLI exits hard instead.
@@ -305,6 +310,21 @@ class Worker:
             gate=gate,
         )
         cursors = {queue: ClaimCursor() for queue in self.queues}
+        # Inserts notify only while a worker waits on their queue (decision 023): through
+        # its sentinel keys, held by this session, which also finds late commits.
+        wakeups = self._wakeups = (
+            WakeupSession(
+                connections.dedicated_url,
+                schema,
+                connect_kwargs={
+                    **connections.dedicated(WAKEUP.options(wakeup.WAKEUP_SESSION_OPTIONS)),
+                    **session_kwargs("wakeup", self.id),
+                },
+                on_lost=lambda queue: wake[queue].set(),
+            )
+            if self.listen
+            else None
+        )
         self.metrics.worker_started(self._busy_slots, self.concurrency, self._leads)
         supervisor = self.supervisor = Supervisor(on_restart=self.metrics.service_restarted)
 
@@ -346,13 +366,18 @@ class Worker:
         )
 
         def on_wakeup(wakeup: Wakeup) -> None:
+            later = wakeup.run_at is not None and wakeup.run_at > executor.utcnow()
             if wakeup.queue in cursors:
                 cursors[wakeup.queue].rewind(wakeup)
                 wake[wakeup.queue].set()
-            if wakeup.run_at is not None and wakeup.run_at > executor.utcnow():
+                if wakeups is not None and not later:
+                    wakeups.woken(wakeup.queue)  # its producers claim now
+            if later:
                 promotion.wake.set()  # scheduled for later: recompute the next due time
 
         def on_connect() -> None:
+            if wakeups is not None:
+                wakeups.reset()  # its keys may have gone with the listener's server
             # Whatever was announced while the listener was away is unknown: sweep.
             for queue, cursor in cursors.items():
                 cursor.force_sweep()
@@ -454,6 +479,17 @@ class Worker:
             supervisor.start(listener)
         supervisor.start(Loop("completer", completer.run))
         supervisor.start(promotion)
+        if wakeups is not None:
+            supervisor.start(
+                LateCommits(
+                    wakeups,
+                    schema,
+                    cursors,
+                    leased_excluded,
+                    every=LATE_COMMITS_SECONDS,
+                    on_found=lambda queue: wake[queue].set(),
+                )
+            )
         supervisor.start(
             CursorProbe(
                 maintenance_pool,
@@ -512,6 +548,8 @@ class Worker:
                     await conn.execute(
                         render(maintenance.LEADER_RESIGN, schema), {"worker_id": self.id}
                     )
+            if wakeups is not None:
+                await wakeups.close()
             await maintenance_pool.close()
             await pool.close()
             if sync_pool is not None:
@@ -550,6 +588,8 @@ class Worker:
                     poll_interval=self.poll_interval,
                     backpressure=self._backpressure,
                     ahead=jobs.ahead,
+                    queue=queue,
+                    waiting=self._wakeups,
                 )
             )
             if tx_async[queue]:
@@ -560,6 +600,7 @@ class Worker:
                         wake,
                         sessions.async_session(pool, queue, tx_async[queue], slots),
                         in_thread=False,
+                        waiting=self._wakeups,
                     )
                 )
             if tx_sync[queue] and sync_pool is not None:
@@ -570,6 +611,7 @@ class Worker:
                         wake,
                         sessions.sync_session(sync_pool, queue, tx_sync[queue], slots, threads),
                         in_thread=True,
+                        waiting=self._wakeups,
                     )
                 )
         return producers
