@@ -313,3 +313,26 @@ def test_a_session_posing_as_sentinel_only_makes_inserts_notify(
         with psycopg.connect(database_url) as conn:
             conn.execute("INSERT INTO skiplock.jobs (task) VALUES ('note')")
         assert done.wait(10)
+
+
+def test_a_stopping_sentinel_hands_over_to_the_worker_it_covered(
+    app: skiplock.App, start_worker: StartWorker, autocommit: psycopg.Connection[Any]
+) -> None:
+    """The second worker sleeps on the first one's notifications; when the first stops,
+    it says so, and the second arms and is woken by inserts again long before its poll."""
+    done = threading.Event()
+    app.task(name="note")(done.set)
+    first = start_worker(app, **SLOW_POLL)
+    first_keys = first.worker._wakeups
+    assert first_keys is not None
+    wait_until(lambda: "default" in first_keys.armed, 10, "the first worker to arm")
+    second = start_worker(app, **SLOW_POLL)
+    second_keys = second.worker._wakeups
+    assert second_keys is not None
+    wait_until(lambda: "default" in second_keys.covered, 10, "the second worker to be covered")
+
+    first.stop()
+    wait_until(lambda: "default" in second_keys.armed, 10, "the second worker to arm")
+    autocommit.execute("INSERT INTO skiplock.jobs (task) VALUES ('note')")
+
+    assert done.wait(10)

@@ -53,6 +53,14 @@ SELECT CASE
 # session testing the sentinel key meanwhile sees a sentinel a moment longer, never a gap.
 SENTINEL_DISARM = "SELECT pg_advisory_unlock(k.waiting), pg_advisory_unlock(k.sentinel)" + _KEYS
 
+# The same, telling the queue's other workers: they took this session for their sentinel
+# ('covered') and sleep on its notifications, which stop now, though nothing woke them.
+# So they claim, and one of them arms. The position (the lowest priority) rewinds no cursor.
+SENTINEL_HAND_OVER = (
+    "SELECT pg_advisory_unlock(k.waiting), pg_advisory_unlock(k.sentinel), "
+    "pg_notify(%(channel)s, %(queue)s || E'\\t32767\\t' || extract(epoch FROM now()))" + _KEYS
+)
+
 # Jobs that became visible since the previous probe, behind a busy worker's claim cursor or
 # not: those inserted by a transaction that was in progress at the previous probe's snapshot
 # (its xip list, "pending") or began after it (xid at or above its xmax, "recent"). Read

@@ -23,6 +23,7 @@ from typing import Any
 
 import psycopg
 
+from skiplock.config import notify_channel
 from skiplock.cursor import ClaimCursor, LateReads
 from skiplock.sql import render, wakeup
 from skiplock.worker.supervisor import PeriodicService
@@ -64,6 +65,8 @@ class WakeupSession:
         self._lock = asyncio.Lock()
         self._arm = render(wakeup.SENTINEL_ARM, schema)
         self._disarm = render(wakeup.SENTINEL_DISARM, schema)
+        self._hand_over = render(wakeup.SENTINEL_HAND_OVER, schema)
+        self._channel = notify_channel(schema)
         # Queues whose keys this session holds, and who waits on each (producers).
         self.armed: set[str] = set()
         self._waiting: dict[str, set[object]] = {}
@@ -114,23 +117,29 @@ class WakeupSession:
         if waiting:
             waiting.discard(who)
         if not waiting:
-            self._release(queue)
+            self._release(queue, tell=True)
 
     def woken(self, queue: str) -> None:
         """A notification woke ``queue``'s producers: they claim now, and arm again if
         they find nothing. Inserts meanwhile need not notify."""
         self._waiting.pop(queue, None)
         self.covered.discard(queue)
-        self._release(queue)
+        self._release(queue, tell=False)  # the notification woke the others too
 
-    def _release(self, queue: str) -> None:
+    async def hand_over(self) -> None:
+        """Let every key go and tell the other workers (this one is stopping)."""
+        self._waiting.clear()
+        for queue in sorted(self.armed):
+            await self._disarm_once(queue, tell=True)
+
+    def _release(self, queue: str, *, tell: bool) -> None:
         if queue not in self.armed:
             return
-        task = asyncio.get_running_loop().create_task(self._disarm_once(queue))
+        task = asyncio.get_running_loop().create_task(self._disarm_once(queue, tell=tell))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    async def _disarm_once(self, queue: str) -> None:
+    async def _disarm_once(self, queue: str, *, tell: bool) -> None:
         async with self._lock:
             if queue not in self.armed or self._waiting.get(queue):
                 return  # armed again meanwhile, or never was
@@ -140,7 +149,10 @@ class WakeupSession:
             if self._conn is None:
                 return  # the session went, and the keys with it
             try:
-                await self._conn.execute(self._disarm, {"queue": queue, "schema": self._schema})
+                await self._conn.execute(
+                    self._hand_over if tell else self._disarm,
+                    {"queue": queue, "schema": self._schema, "channel": self._channel},
+                )
             except psycopg.OperationalError as exc:
                 self._lost(exc)
 

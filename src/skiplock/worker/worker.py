@@ -532,6 +532,10 @@ class Worker:
             if self._transactional is not None:
                 self._transactional.stop()  # no batch starts another job (decision 002)
             await supervisor.stop(p.name for p in producers)
+            if wakeups is not None:
+                # Nothing here claims any more: the queue's other workers take over.
+                with contextlib.suppress(psycopg.Error):
+                    await wakeups.hand_over()
             # A claim in flight when its producer was cancelled still delivers its jobs.
             in_flight = [p.pending for p in producers if p.pending and not p.pending.done()]
             await asyncio.gather(*in_flight, return_exceptions=True)
