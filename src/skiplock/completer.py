@@ -74,6 +74,13 @@ _STATEMENTS = {
     "snoozed": complete.JOB_SNOOZE_MANY_IF_LEASED,
     "cancelled": complete.JOB_CANCEL_MANY_IF_LEASED,
 }
+# The same, each committing alone: a flush of one group is that one statement.
+_ALONE = {
+    "completed": complete.JOB_COMPLETE_MANY_ALONE,
+    "failed": complete.JOB_FAIL_MANY_ALONE,
+    "snoozed": complete.JOB_SNOOZE_MANY_ALONE,
+    "cancelled": complete.JOB_CANCEL_MANY_ALONE,
+}
 
 
 def fenced_batch(entries: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -189,6 +196,7 @@ class Completer:
         self._on_retry_written = on_retry_written
         self._on_flush = on_flush
         self._sql = {group: render(statement, schema) for group, statement in _STATEMENTS.items()}
+        self._alone_sql = {group: render(statement, schema) for group, statement in _ALONE.items()}
         self._refused_sql = render(complete.JOB_FAIL_UNSTORABLE_IF_LEASED, schema)
         self._durable_sql = render(complete.DURABLE_COMMIT_ON, schema)
         self._done_sql = render(complete.JOBS_DONE_NOTIFY, schema)
@@ -315,6 +323,9 @@ class Completer:
         progress.settled.append(batch[0])
 
     async def _write(self, batch: list[Outcome]) -> set[int]:
+        writes = outcome_writes(batch)
+        if len(writes) == 1:
+            return await self._write_alone(*writes[0])
         written: set[int] = set()
         # Pipelined: the transaction's statements go out together and their results come
         # back together, one round trip for the flush instead of one per statement.
@@ -322,7 +333,7 @@ class Completer:
             cursors = []
             async with conn.transaction():
                 await conn.execute(self._durable_sql)
-                for group, params in outcome_writes(batch):
+                for group, params in writes:
                     cursors.append(
                         await conn.execute(
                             self._sql[group], {**params, "worker_id": self._worker_id}
@@ -333,6 +344,18 @@ class Completer:
             for cur in cursors:
                 written.update(r[0] for r in await cur.fetchall())
         return written
+
+    async def _write_alone(self, group: str, params: dict[str, Any]) -> set[int]:
+        """A batch of one group of outcomes: one statement that commits by itself, durably,
+        waking result waiters (sql/complete.py, _committing_alone)."""
+        params = {**params, "worker_id": self._worker_id, "channel": self._done_channel}
+        async with self._pool.connection() as conn:
+            if conn.autocommit:
+                cur = await conn.execute(self._alone_sql[group], params)
+            else:  # a pool of transactional sessions: the statement needs its commit
+                async with conn.transaction():
+                    cur = await conn.execute(self._alone_sql[group], params)
+            return {r[0] for r in await cur.fetchall() if r[0] is not None}
 
     async def _write_refused(
         self, outcome: Outcome, refusal: BaseException, progress: _Flush

@@ -110,6 +110,51 @@ WHERE j.id = ANY(%(ids)s::bigint[])
 RETURNING j.id
 """
 
+# A flush whose outcomes are all of one kind (the usual case) is one of the four
+# statements above made to commit alone, in the worker's autocommit session, instead of a
+# pipelined transaction of five (BEGIN, SET LOCAL synchronous_commit, the write, the
+# waiters' pg_notify, COMMIT): each statement costs the worker an event-loop wait and the
+# server a protocol round, which for a batch of short jobs cost more than the write (issue
+# 21's profile). The two others happen inside it: set_config(..., true) turns
+# synchronous_commit back on until its own transaction ends, so that the commit waits for
+# the WAL flush as DURABLE_COMMIT_ON makes it, and pg_notify wakes result waiters at the
+# commit as JOBS_DONE_NOTIFY does. Both are in a CTE of volatile calls, which is never
+# folded away, and the last branch of the UNION reads it whether or not a row was
+# written: they run once per flush, as before. That branch returns no row.
+_DURABLE_ALONE = """durable AS (
+    SELECT set_config('synchronous_commit', 'on', true) AS setting,
+           pg_notify(%(channel)s, '') AS woken
+)"""
+_WRITTEN_ALONE = """
+SELECT id FROM written
+UNION ALL
+SELECT NULL FROM durable WHERE setting IS NULL
+"""
+
+
+def _committing_alone(statement: str) -> str:
+    """``statement`` (a fenced outcome write returning the ids it wrote) as one that
+    commits alone: durably, waking result waiters, and returning the same ids."""
+    body = statement.strip()
+    if not body.endswith(("RETURNING id", "RETURNING j.id")):
+        raise RuntimeError("an outcome write changed shape; update _committing_alone")
+    if body.startswith("WITH done AS ("):
+        ctes, found, write = body.rpartition("\n)\nINSERT INTO ")
+        if not found:
+            raise RuntimeError("an outcome write changed shape; update _committing_alone")
+        text = f"WITH {_DURABLE_ALONE}, {ctes[5:]}\n), written AS (\nINSERT INTO {write}\n)"
+    elif body.startswith("UPDATE "):
+        text = f"WITH {_DURABLE_ALONE}, written AS (\n{body}\n)"
+    else:
+        raise RuntimeError("an outcome write changed shape; update _committing_alone")
+    return "\n" + text + _WRITTEN_ALONE
+
+
+JOB_COMPLETE_MANY_ALONE = _committing_alone(JOB_COMPLETE_MANY_IF_LEASED)
+JOB_FAIL_MANY_ALONE = _committing_alone(JOB_FAIL_MANY_IF_LEASED)
+JOB_CANCEL_MANY_ALONE = _committing_alone(JOB_CANCEL_MANY_IF_LEASED)
+JOB_SNOOZE_MANY_ALONE = _committing_alone(JOB_SNOOZE_MANY_IF_LEASED)
+
 JOB_SNOOZE_LOCKED = """
 UPDATE {jobs}
 SET state = CASE WHEN %(delay)s > 0 THEN 'scheduled' ELSE 'available' END,
