@@ -82,14 +82,15 @@ def claimed_from_row(row: Sequence[Any]) -> ClaimedJob:
     job_id, queue, task, args_text, priority, run_at, attempts, max_attempts, created = row[:9]
     args: dict[str, Any] = {}
     problem = None
-    try:
-        decoded = json.loads(args_text)
-        if isinstance(decoded, dict):
-            args = decoded
-        else:
-            problem = "arguments are not a JSON object"
-    except (ValueError, RecursionError) as exc:
-        problem = f"cannot decode the job's arguments: {str(exc)[:200]}"
+    if args_text != "{}":  # no arguments (jsonb prints an empty object so): nothing to decode
+        try:
+            decoded = json.loads(args_text)
+            if isinstance(decoded, dict):
+                args = decoded
+            else:
+                problem = "arguments are not a JSON object"
+        except (ValueError, RecursionError) as exc:
+            problem = f"cannot decode the job's arguments: {str(exc)[:200]}"
     return ClaimedJob(
         job_id,
         queue,
@@ -237,7 +238,9 @@ async def run_leased(
         set_current_job(job, cancel, progress)
         if task.is_async:
             coro = task.fn(**job.args)
-            result = await asyncio.wait_for(coro, task.options.timeout)
+            timeout = task.options.timeout
+            # Without a timeout wait_for only awaits the coroutine: so do we, a step less.
+            result = await (coro if timeout is None else asyncio.wait_for(coro, timeout))
         else:
             # run_in_executor does not carry context into the thread: hand it over.
             context = contextvars.copy_context()

@@ -255,6 +255,7 @@ class LeasedJobs:
         gate = self._gate
         gated = permitted  # its run permit came with the claim
         loop = asyncio.get_running_loop()
+        me = asyncio.current_task()  # this job's task: read once, it is asked several times
         try:
             started = time.perf_counter()
             try:
@@ -275,12 +276,12 @@ class LeasedJobs:
                     finally:
                         self.at_gate.pop(job.id, None)
                     started = time.perf_counter()
-                if gate is not None and not await self._still_ours(job, claimed):
+                if gate is not None and not await self._still_ours(job, claimed, me):
                     return
                 if cancel.is_set():
                     raise asyncio.CancelledError  # cancelled while it waited: never ran
                 if keyed:
-                    if not await self._start_keyed(job):
+                    if not await self._start_keyed(job, me):
                         return
                 elif marked and self.starts is not None:
                     self.starts.note(job.id, job.attempts)
@@ -310,7 +311,7 @@ class LeasedJobs:
                         if not cancel.is_set():
                             span.ended(outcome.kind, outcome.error)
             except asyncio.CancelledError:
-                if not cancel.is_set() or asyncio.current_task() in self._withdrawn:
+                if not cancel.is_set() or me in self._withdrawn:
                     # Shutdown, the lease was lost, or given back unstarted: no outcome of
                     # ours to write.
                     raise
@@ -330,7 +331,7 @@ class LeasedJobs:
                 self._metrics.job_failed(job.queue, job.task, outcome.error)
             job_log.finished(job, outcome, seconds)
             holder = self.held.get(job.id, (None, None))[1]
-            if holder is asyncio.current_task():
+            if holder is me:
                 self.completer.add(outcome)
             elif holder is not None:
                 # Given back while it ran and claimed again by this worker: the new claim
@@ -346,17 +347,16 @@ class LeasedJobs:
         finally:
             # Another task may hold the job now (given back and claimed again by this
             # worker): its entries are left alone.
-            current = asyncio.current_task()
             entry = self.held.get(job.id)
-            mine = entry is not None and entry[1] is current
+            mine = entry is not None and entry[1] is me
             if mine:
                 del self.held[job.id]
             if entry is None or mine:
                 self._cancel_flags.pop(job.id, None)
                 self._job_tasks.pop(job.id, None)
                 self._started_at.pop(job.id, None)
-            if current is not None:
-                self._withdrawn.discard(current)
+            if me is not None:
+                self._withdrawn.discard(me)
             if gated and gate is not None:
                 gate.release()
             slots.give(1)
@@ -469,13 +469,15 @@ class LeasedJobs:
             return max(claimed.asked_at, self.confirmed_at)
         return claimed.asked_at
 
-    async def _still_ours(self, job: ClaimedJob, claimed: ClaimTimes) -> bool:
+    async def _still_ours(
+        self, job: ClaimedJob, claimed: ClaimTimes, me: asyncio.Task[Any] | None
+    ) -> bool:
         """Whether a job that waited for a slot may start. After a silence (a cut link,
         a frozen process) its claim is read first: a rescuer may have given it back and
         another worker run it, and the heartbeat that would tell may not have come yet
         (tests/cluster showed such jobs run twice). Unconfirmed, it is dropped without an
         outcome: if it is still ours after all, its lease runs out and it runs again."""
-        if self._superseded(job):
+        if self._superseded(job, me):
             self._stats.lost_leases += 1
             return False
         if (
@@ -518,12 +520,12 @@ class LeasedJobs:
                 job.attempts,
             )
             return False
-        if self._superseded(job):
+        if self._superseded(job, me):
             self._stats.lost_leases += 1
             return False
         return True
 
-    async def _start_keyed(self, job: ClaimedJob) -> bool:
+    async def _start_keyed(self, job: ClaimedJob, me: asyncio.Task[Any] | None) -> bool:
         """Release a claimed-ahead job's queued-scope key, recording its start, before it
         starts (JOB_START_KEYED). Not written, it does not start: its lease runs out,
         and rescue gives it back with its key."""
@@ -541,7 +543,7 @@ class LeasedJobs:
             if started:
                 # Given back and claimed again meanwhile by this worker: the new claim's
                 # task runs it (the write could not tell the two apart).
-                return not self._superseded(job)
+                return not self._superseded(job, me)
             if attempt < CONFIRM_TRIES:
                 await asyncio.sleep(GIVE_BACK_RETRY_SECONDS)  # locked by another transaction?
         else:
@@ -554,11 +556,11 @@ class LeasedJobs:
         self._stats.lost_leases += 1
         return False
 
-    def _superseded(self, job: ClaimedJob) -> bool:
-        """Whether this task no longer holds the job: given back while it waited, and
-        claimed again by this worker, whose newer task holds it now."""
+    def _superseded(self, job: ClaimedJob, me: asyncio.Task[Any] | None) -> bool:
+        """Whether the job's task ``me`` no longer holds it: given back while it waited,
+        and claimed again by this worker, whose newer task holds it now."""
         entry = self.held.get(job.id)
-        if entry is not None and entry[1] is asyncio.current_task():
+        if entry is not None and entry[1] is me:
             return False
         log.warning(
             "job %s attempt %s: given back while it waited for a slot%s; not starting it",
