@@ -162,7 +162,13 @@ EXPECTED_FIGURES = {
     "unique": ["drain, unique jobs"],
     "ordered": ["drain, ordered jobs"],
     "keylimit": ["drain, keylimit jobs"],
-    "lowconc": ["lowconc reference (lesson)", "lowconc 1x1", "lowconc 1x4", "lowconc 1x10"],
+    "lowconc": [
+        "lowconc reference (lesson, batch UPDATE)",
+        "lowconc reference (lesson, per-job UPDATE)",
+        "lowconc 1x1",
+        "lowconc 1x4",
+        "lowconc 1x10",
+    ],
     "enqueue-concurrent": [
         "enqueue-concurrent 8 clients",
         "enqueue-concurrent 8 clients, no trigger",
@@ -219,14 +225,17 @@ def test_every_bench_scenario_runs_at_a_tiny_size(database_url: str) -> None:
     # The worker's largest claim: batch_max, short jobs being claimed ahead (decision 018).
     assert figures["ceiling (SQL only)"]["batch"] == 100
     assert 0 < figures["latency p50"]["median"] <= figures["latency p99"]["median"]
-    # The low-concurrency drains are set against the lesson's reference, with CPU per job
+    # The low-concurrency drains are set against both lesson references, with CPU per job
     # read from /proc (the server is on this machine; at this size a drain may take less
     # than the clock tick CPU time is counted in, hence >= 0).
-    for slots in (1, 4, 10):
-        figure = figures[f"lowconc 1x{slots}"]
-        assert finite_positive(figure["vs_reference"]), figure
+    for name in EXPECTED_FIGURES["lowconc"]:
+        figure = figures[name]
+        assert figure["jobs"] == 300
         for cpu in ("py_cpu_us_per_job", "pg_cpu_us_per_job"):
             assert isinstance(figure[cpu], float) and figure[cpu] >= 0, figure
+        if "reference" not in name:
+            assert finite_positive(figure["vs_reference"]), figure
+            assert finite_positive(figure["vs_reference_per_job"]), figure
     assert finite_positive(figures["enqueue-concurrent 8 clients"]["vs_no_trigger"])
     [pressure] = report["pressure"]
     assert [row["phase"] for row in pressure] == PHASES
