@@ -28,6 +28,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from skiplock.bench import OWN_SERVERS
+from skiplock.bench.pgbench import pgbench_path
 from skiplock.cli import SCENARIOS
 from skiplock.dashboard import bench as dashboard_bench
 
@@ -154,7 +155,11 @@ def test_demo_json_holds_every_check_and_keeps_the_password_off_command_lines(
 EXPECTED_FIGURES = {
     "enqueue": ["enqueue (enqueue_many)"],
     "drain": ["drain"],
-    "ceiling": ["ceiling (SQL only)"],
+    "ceiling": [
+        "ceiling (SQL only)",
+        *(["ceiling (raw SQL, pgbench)"] if pgbench_path() is not None else []),
+        "ceiling: drain 2x10",
+    ],
     "latency": ["latency p50", "latency p95", "latency p99"],
     "seed": ["seed (lesson's 400 jobs)", "seed, prefetch 0"],
     "history": ["drain, 500 finished rows"],
@@ -224,6 +229,8 @@ def test_every_bench_scenario_runs_at_a_tiny_size(database_url: str) -> None:
         assert figures[name]["unit"] == "jobs/s"
     # The worker's largest claim: batch_max, short jobs being claimed ahead (decision 018).
     assert figures["ceiling (SQL only)"]["batch"] == 100
+    # The drain at --processes x --concurrency, set against the ceiling of the same run.
+    assert finite_positive(figures["ceiling: drain 2x10"]["vs_ceiling"])
     assert 0 < figures["latency p50"]["median"] <= figures["latency p99"]["median"]
     # The low-concurrency drains are set against both lesson references, with CPU per job
     # read from /proc (the server is on this machine; at this size a drain may take less
@@ -246,4 +253,6 @@ def test_every_bench_scenario_runs_at_a_tiny_size(database_url: str) -> None:
     assert lines.holding("skiplock.bench:app"), lines.seen
     assert lines.holding("multiprocessing"), lines.seen
     assert lines.holding(" demo "), lines.seen
+    if pgbench_path() is not None:
+        assert lines.holding("pgbench"), lines.seen
     assert lines.holding(PASSWORD) == []

@@ -32,6 +32,7 @@ import psycopg
 from psycopg import sql
 
 from skiplock.app import App
+from skiplock.bench.pgbench import pgbench_path, run_pgbench
 from skiplock.completer import Outcome, outcome_writes
 from skiplock.config import DATABASE_URL_ENV, SCHEMA_ENV, done_channel, resolve_database_url
 from skiplock.cursor import ClaimCursor
@@ -664,13 +665,49 @@ def worker_claim_batch(concurrency: int) -> int:
     return batch_max
 
 
+# Clients of the ceiling, as pgbench was run for the design's reference figures.
+CEILING_CLIENTS = 4
+
+
+def _ceiling_claim(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    worker_id: uuid.UUID,
+    batch: int,
+    cursor: ClaimCursor,
+) -> list[tuple[Any, ...]] | None:
+    """The worker's claim of up to ``batch`` jobs, resumed from ``cursor`` as the worker's
+    is, and the cursor moved past them; None when a claim from the start of the queue
+    found nothing (the queue is drained). Alone here so that a change of the claim's
+    parameters (sql/claim.py) is one edit."""
+    while True:
+        params: dict[str, Any] = {
+            "queue": "default",
+            "exclude_tasks": [],
+            "limit": batch,
+            "worker_id": worker_id,
+            "lease_seconds": 30,
+        }
+        after = cursor.start()
+        if after is not None:
+            params.update(after_priority=after[0], after_run_at=after[1], after_id=after[2])
+        statement = claim.JOB_CLAIM_BATCH if after is None else claim.JOB_CLAIM_BATCH_AFTER
+        rows = conn.execute(render(statement, schema), params).fetchall()
+        if rows:
+            # Columns 4, 5 and 0 are priority, run_at and id: the claim order.
+            cursor.advance([(row[4], row[5], row[0]) for row in rows])
+            return rows
+        if after is None:
+            return None
+        # Jobs another client held when this one passed them: sweep once more.
+        cursor.force_sweep()
+
+
 def _ceiling_process(url: str, schema: str, batch: int, start: Any, result: Any) -> None:
-    """One client: the worker's claim (resumed from its cursor, as the worker's is), then
-    its completer's flush of that batch, in a loop, on a connection with the worker's
-    session options. Ends when a claim from the start of the queue finds nothing."""
+    """One client: the worker's claim, then its completer's flush of that batch, in a
+    loop, on a connection with the worker's session options. Ends when a claim from the
+    start of the queue finds nothing."""
     worker_id = uuid.uuid4()
-    full_sql = render(claim.JOB_CLAIM_BATCH, schema)
-    resumed_sql = render(claim.JOB_CLAIM_BATCH_AFTER, schema)
     complete_sql = render(complete.JOB_COMPLETE_MANY_IF_LEASED, schema)
     durable_sql = render(complete.DURABLE_COMMIT_ON, schema)
     done_sql = render(complete.JOBS_DONE_NOTIFY, schema)
@@ -679,26 +716,7 @@ def _ceiling_process(url: str, schema: str, batch: int, start: Any, result: Any)
     done = 0
     with psycopg.connect(url, autocommit=True, options=claim.WORKER_SESSION_OPTIONS) as conn:
         start.wait()
-        while True:
-            params: dict[str, Any] = {
-                "queue": "default",
-                "exclude_tasks": [],
-                "limit": batch,
-                "worker_id": worker_id,
-                "lease_seconds": 30,
-            }
-            after = cursor.start()
-            if after is not None:
-                params.update(after_priority=after[0], after_run_at=after[1], after_id=after[2])
-            rows = conn.execute(full_sql if after is None else resumed_sql, params).fetchall()
-            if not rows:
-                if after is None:
-                    break
-                # Jobs another client held when this one passed them: sweep once more.
-                cursor.force_sweep()
-                continue
-            # Columns 4, 5 and 0 are priority, run_at and id: the claim order.
-            cursor.advance([(row[4], row[5], row[0]) for row in rows])
+        while (rows := _ceiling_claim(conn, schema, worker_id, batch, cursor)) is not None:
             # Column 6 is the attempt (the fencing token); a no-op handler returns None.
             outcomes = [Outcome(row[0], row[6], result_json=None) for row in rows]
             with conn.transaction():
@@ -721,7 +739,7 @@ def ceiling_once(url: str, schema: str, jobs: int, batch: int) -> float:
         # the children's command lines carry no password.
         context = multiprocessing.get_context("spawn")
         results = context.Queue()
-        clients = 4  # as pgbench was run for the design's reference figures
+        clients = CEILING_CLIENTS
         start = context.Barrier(clients + 1)
         children = [
             context.Process(target=_ceiling_process, args=(url, schema, batch, start, results))
@@ -754,6 +772,80 @@ def ceiling_once(url: str, schema: str, jobs: int, batch: int) -> float:
             child.join()
         assert total == jobs, (total, jobs)
         return jobs / elapsed
+
+
+# The raw-SQL ceiling: what the design's reference figures ran under pgbench, each
+# transaction claiming a batch with SKIP LOCKED and moving it to history in one statement.
+RAW_CEILING_SCRIPT = """
+WITH picked AS (
+    SELECT id FROM {jobs}
+    WHERE queue = 'default' AND state = 'available' AND run_at <= now()
+    ORDER BY priority, run_at, id
+    LIMIT {batch}
+    FOR UPDATE SKIP LOCKED
+), done AS (
+    DELETE FROM {jobs} WHERE id IN (SELECT id FROM picked) RETURNING *
+)
+INSERT INTO {history} (id, queue, task, args, state, priority, attempts, max_attempts,
+                       errors, created_at, attempted_at)
+SELECT id, queue, task, args, 'completed', priority, attempts + 1, max_attempts, errors,
+       created_at, now()
+FROM done;
+"""
+
+
+def raw_ceiling_once(url: str, schema: str, jobs: int, batch: int, binary: Path) -> float:
+    """Jobs per second that CEILING_CLIENTS pgbench connections move to history with
+    RAW_CEILING_SCRIPT, a batch per transaction, until the queue is empty (on pgbench's
+    clock, connections excluded)."""
+    with fresh_schema(url, schema), psycopg.connect(url, autocommit=True) as conn:
+        copy_jobs(conn, schema, "bench.noop", jobs)
+        conn.execute(sql.SQL("VACUUM ANALYZE {}").format(sql.Identifier(schema, "jobs")))
+        script = (
+            sql.SQL(" ".join(RAW_CEILING_SCRIPT.split()))
+            .format(
+                jobs=sql.Identifier(schema, "jobs"),
+                history=sql.Identifier(schema, "job_history"),
+                batch=sql.Literal(batch),
+            )
+            .as_string(conn)
+        )
+        per_client = -(-jobs // (CEILING_CLIENTS * batch))
+        done = run_pgbench(
+            binary, url, script + "\n", clients=CEILING_CLIENTS, transactions=per_client
+        )
+        row = conn.execute(
+            sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "job_history"))
+        ).fetchone()
+        assert row is not None
+        return int(row[0]) / done.seconds
+
+
+def ceiling_figures(
+    url: str, schema: str, jobs: int, processes: int, concurrency: int, runs: int
+) -> list[Figure]:
+    """The ceiling and the drain it bounds, like for like: the same jobs, the worker's
+    own batch and statements (and, with pgbench here, the raw-SQL ceiling at that batch),
+    measured in turn in each run, the drain's share of each from the same run."""
+    batch = worker_claim_batch(concurrency)
+    binary = pgbench_path()
+    shape = {"batch": batch, "clients": CEILING_CLIENTS}
+    ceiling = Figure("ceiling (SQL only)", "jobs/s", extra=dict(shape))
+    raw = Figure("ceiling (raw SQL, pgbench)", "jobs/s", extra=dict(shape))
+    drain = Figure(f"ceiling: drain {processes}x{concurrency}", "jobs/s")
+    for _ in range(runs):
+        ceiling.runs.append(ceiling_once(url, schema, jobs, batch))
+        if binary is not None:
+            raw.runs.append(raw_ceiling_once(url, schema, jobs, batch, binary))
+        drain.runs.append(drain_once(url, schema, jobs, processes, concurrency))
+    drain.extra["vs_ceiling"] = round(drain.median / ceiling.median, 2)
+    ceiling.extra["drain_share"] = drain.extra["vs_ceiling"]
+    figures = [ceiling]
+    if raw.runs:
+        drain.extra["vs_raw_ceiling"] = round(drain.median / raw.median, 2)
+        raw.extra["drain_share"] = drain.extra["vs_raw_ceiling"]
+        figures.append(raw)
+    return [*figures, drain]
 
 
 def latency_once(url: str, schema: str, samples: int, gap: float) -> dict[str, float]:
@@ -919,12 +1011,9 @@ def run(
             if drain_median is not None:
                 fig.extra["vs_drain"] = round(fig.median / drain_median, 2)
         elif scenario == "ceiling":
-            # The batch each worker process claims with this concurrency, like for like.
-            batch = worker_claim_batch(concurrency)
-            fig = Figure("ceiling (SQL only)", "jobs/s", extra={"batch": batch})
-            fig.runs = [ceiling_once(url, schema, jobs, batch) for _ in range(runs)]
-            if drain_median is not None:
-                fig.extra["drain_share"] = round(drain_median / fig.median, 2)
+            for figure in ceiling_figures(url, schema, jobs, processes, concurrency, runs):
+                report(figure)
+            continue
         elif scenario == "latency":
             results = [latency_once(url, schema, 200, 0.02) for _ in range(runs)]
             for pct in ("p50", "p95", "p99"):
