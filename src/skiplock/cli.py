@@ -741,6 +741,8 @@ SCENARIOS = (
     "keylimit",
     "lowconc",
     "enqueue-concurrent",
+    "wakeup",
+    "late-commit",
     "dashboard",
     "hosts",
     "failover",
@@ -1045,7 +1047,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=count(1), default=3)
     p.add_argument("--history-rows", type=count(0), default=1_000_000)
     p.add_argument(
-        "--rate", type=count(1), default=1000, help="pressure and failover: jobs/s offered"
+        "--rate",
+        type=count(1),
+        default=1000,
+        help="pressure, failover and late-commit: jobs/s offered",
     )
     p.add_argument(
         "--phases",
@@ -1057,7 +1062,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--enqueue-seconds",
         type=seconds(above_zero=True),
         default=20.0,
-        help="enqueue-concurrent: seconds per run (default %(default)s)",
+        help="enqueue-concurrent: seconds per run and client count; late-commit: seconds "
+        "per variant (default %(default)s)",
     )
     p.add_argument(
         "--promote-after",

@@ -2,7 +2,9 @@
 
 Workers run as real ``skiplock worker`` processes over this module's ``app``; the figures
 are taken from the database (commit times, ``finished_at``) so that polling by the bench
-itself does not blur them. Every scenario runs in its own schema, dropped afterwards.
+itself does not blur them. Every scenario runs in its own schema (enqueue-concurrent in
+two, one of them without the insert triggers), dropped afterwards. The scenarios of the
+application's commit path and wake-ups live in bench/commit.py.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from skiplock.topology import Network, postgres_bin
 BENCH_SCHEMA = "skiplock_bench"
 # Scenarios on servers the bench builds itself, on hosts of its own (bench/hosts.py).
 OWN_SERVERS = ("hosts", "failover")
+# The application's commit path and wake-ups (bench/commit.py).
+COMMIT_SCENARIOS = ("enqueue-concurrent", "wakeup", "latency", "late-commit")
 REFERENCE_SCHEMA = "skiplock_bench_reference"
 # Extra arguments for every bench worker process (``bench --worker-args``), for A/B runs
 # of a setting; empty means the worker's defaults.
@@ -509,36 +513,6 @@ def reference_once(url: str, jobs: int, *, per_job: bool = False) -> tuple[float
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(schema))
 
 
-ENQUEUE_CLIENTS = (8, 32)
-ENQUEUE_PROCESSES = 4
-
-
-def _enqueue_process(
-    url: str, schema: str, clients: int, seconds: float, start: Any, out: Any
-) -> None:
-    """``clients`` threads, each on its own connection enqueuing one job per
-    transaction, as web requests do, for ``seconds``."""
-    bench_app = App(url, schema=schema)
-    task = bench_app.task(name="bench.noop")(noop.fn)
-    counts = [0] * clients
-
-    def client(index: int) -> None:
-        with psycopg.connect(url) as conn:
-            start.wait()
-            deadline = time.monotonic() + seconds
-            while time.monotonic() < deadline:
-                task.enqueue(conn)
-                conn.commit()
-                counts[index] += 1
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    out.put(sum(counts))
-
-
 def _set_insert_triggers(conn: psycopg.Connection[Any], schema: str, enabled: bool) -> None:
     """Enable or disable the jobs table's insert triggers (the wake-up notification)."""
     names = conn.execute(
@@ -553,50 +527,6 @@ def _set_insert_triggers(conn: psycopg.Connection[Any], schema: str, enabled: bo
                 sql.Identifier(schema, "jobs"), action, sql.Identifier(name)
             )
         )
-
-
-def enqueue_concurrent_once(
-    url: str, schema: str, clients: int, seconds: float, notify: bool
-) -> float:
-    """Jobs/s committed by ``clients`` connections each enqueuing one job per
-    transaction; without ``notify``, the insert triggers are disabled (the same insert
-    without any notification: the reference)."""
-    with fresh_schema(url, schema), psycopg.connect(url, autocommit=True) as conn:
-        _set_insert_triggers(conn, schema, notify)
-        context = multiprocessing.get_context("spawn")
-        processes = min(clients, ENQUEUE_PROCESSES)
-        out = context.Queue()
-        start = context.Barrier(clients + 1)
-        children = [
-            context.Process(
-                target=_enqueue_process,
-                args=(url, schema, len(range(i, clients, processes)), seconds, start, out),
-            )
-            for i in range(processes)
-        ]
-        for child in children:
-            child.start()
-        try:
-            start.wait(timeout=60)
-        except threading.BrokenBarrierError:
-            raise RuntimeError("an enqueuing process did not connect") from None
-        total = sum(int(out.get(timeout=seconds + 60)) for _ in children)
-        for child in children:
-            child.join()
-        return total / seconds
-
-
-def enqueue_concurrent(url: str, schema: str, seconds: float, runs: int) -> list[Figure]:
-    figures = []
-    for clients in ENQUEUE_CLIENTS:
-        with_notify = Figure(f"enqueue-concurrent {clients} clients", "jobs/s")
-        without = Figure(f"enqueue-concurrent {clients} clients, no trigger", "jobs/s")
-        for _ in range(runs):
-            with_notify.runs.append(enqueue_concurrent_once(url, schema, clients, seconds, True))
-            without.runs.append(enqueue_concurrent_once(url, schema, clients, seconds, False))
-        with_notify.extra["vs_no_trigger"] = round(with_notify.median / without.median, 2)
-        figures += [with_notify, without]
-    return figures
 
 
 LOW_SLOTS = (1, 4, 10)
@@ -848,29 +778,6 @@ def ceiling_figures(
     return [*figures, drain]
 
 
-def latency_once(url: str, schema: str, samples: int, gap: float) -> dict[str, float]:
-    """Commit-to-handler-start latency for single jobs enqueued to idle workers."""
-    with fresh_schema(url, schema) as bench_app, worker_processes(url, schema, 1, 10):
-        task = bench_app.task(name="bench.probe")(probe.fn)
-        committed: dict[int, float] = {}
-        with psycopg.connect(url) as conn:
-            for _ in range(samples):
-                job_id = task.enqueue(conn)
-                conn.commit()
-                committed[job_id] = time.time()
-                time.sleep(gap)
-            _wait_drained(conn, schema, timeout=60)
-            rows = conn.execute(
-                sql.SQL("SELECT id, result FROM {}").format(sql.Identifier(schema, "job_history"))
-            ).fetchall()
-        waits = sorted((float(r[1]) - committed[r[0]]) * 1000 for r in rows)
-        return {
-            "p50": statistics.median(waits),
-            "p95": waits[int(len(waits) * 0.95) - 1],
-            "p99": waits[int(len(waits) * 0.99) - 1],
-        }
-
-
 def seed_once(url: str, prefetch: str = "auto") -> float:
     """The lesson's 400-job scenario, via ``skiplock demo --json``."""
     out = subprocess.run(
@@ -994,8 +901,25 @@ def run(
             for figure in low_concurrency(url, schema, jobs, runs):
                 report(figure)
             continue
-        elif scenario == "enqueue-concurrent":
-            for figure in enqueue_concurrent(url, schema, enqueue_seconds, runs):
+        elif scenario in COMMIT_SCENARIOS:
+            from skiplock.bench import commit  # noqa: PLC0415 - imports this module
+
+            if scenario == "enqueue-concurrent":
+                built = commit.enqueue_concurrent(url, enqueue_seconds, runs)
+            elif scenario == "wakeup":
+                built = commit.wakeup(url, schema, runs)
+            elif scenario == "latency":
+                # The wake-up through Task.enqueue, under the figures' old names.
+                built = commit.wakeup(
+                    url,
+                    schema,
+                    runs,
+                    paths=[commit.PATH_ENQUEUE],
+                    name=lambda _path, pct: f"latency {pct}",
+                )
+            else:
+                built = commit.late_commit(url, schema, rate, enqueue_seconds, runs)
+            for figure in built:
                 report(figure)
             continue
         elif scenario == "drain":
@@ -1013,11 +937,6 @@ def run(
         elif scenario == "ceiling":
             for figure in ceiling_figures(url, schema, jobs, processes, concurrency, runs):
                 report(figure)
-            continue
-        elif scenario == "latency":
-            results = [latency_once(url, schema, 200, 0.02) for _ in range(runs)]
-            for pct in ("p50", "p95", "p99"):
-                report(Figure(f"latency {pct}", "ms", [r[pct] for r in results]))
             continue
         elif scenario == "seed":
             fig = Figure("seed (lesson's 400 jobs)", "s", [seed_once(url) for _ in range(runs)])

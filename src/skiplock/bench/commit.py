@@ -1,0 +1,692 @@
+"""The application's side of an enqueue (issue 21): what a job's insert costs the
+transaction it is part of, and how soon a worker starts the job once it commits.
+
+- ``enqueue-concurrent``: a business transaction (one order row, one job) committed by 8,
+  32 and 64 clients, through ``Task.enqueue`` and through a plain SQL ``INSERT``, against
+  the same transaction into a second skiplock schema whose jobs table has no insert
+  trigger. Measured and reference runs alternate; first with no worker running, then
+  with one idle worker process on each schema (it drains what is enqueued, and once
+  notifications go only to waiting workers, that is when an insert still sends one).
+- ``wakeup``: an idle worker's start after the commit, for each insert path.
+- ``late-commit``: a busy worker, and a job whose transaction began before jobs the worker
+  has since claimed: its commit-to-start latency, at the stream's priority and ahead of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import multiprocessing
+import queue
+import random
+import statistics
+import sys
+import threading
+import time
+import traceback
+from bisect import bisect_right
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from skiplock.app import App
+from skiplock.bench import (
+    BENCH_SCHEMA,
+    Figure,
+    _set_insert_triggers,
+    _wait_drained,
+    fresh_schema,
+    noop,
+    pause,
+    probe,
+    worker_processes,
+)
+from skiplock.bench.pgbench import pgbench_path, run_pgbench
+
+COMMIT_CLIENTS = (8, 32, 64)
+# Python clients: threads spread over this many processes (spawned), as web servers run.
+CLIENT_PROCESSES = 4
+NO_TRIGGER_SCHEMA = "skiplock_bench_notrigger"
+# The worker's default slots: the idle worker of the wake-up and commit scenarios.
+WORKER_SLOTS = 10
+PATH_ENQUEUE = "Task.enqueue"
+PATH_SQL = "SQL INSERT"
+COMMIT_PATHS = (PATH_ENQUEUE, PATH_SQL)
+
+# The business row each transaction writes besides its job.
+ORDERS_TABLE = """
+CREATE TABLE {orders} (
+    id         bigserial PRIMARY KEY,
+    customer   integer NOT NULL,
+    total      numeric(12, 2) NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now()
+)"""
+ORDER_INSERT = "INSERT INTO {orders} (customer, total) VALUES (%s, 19.90)"
+# A job as plain SQL writes it: every other column is the table's default.
+PLAIN_JOB_INSERT = "INSERT INTO {jobs} (task, args) VALUES ('bench.noop', '{{}}')"
+PGBENCH_SCRIPT = """\\set customer random(1, 1000)
+BEGIN;
+INSERT INTO {orders} (customer, total) VALUES (:customer, 19.90);
+INSERT INTO {jobs} (task, args) VALUES ('bench.noop', '{{}}');
+END;
+"""
+
+
+def _orders(schema: str) -> sql.Identifier:
+    return sql.Identifier(schema, "bench_orders")
+
+
+def _jobs(schema: str) -> sql.Identifier:
+    return sql.Identifier(schema, "jobs")
+
+
+def _render(template: str, schema: str) -> sql.Composed:
+    return sql.SQL(template).format(orders=_orders(schema), jobs=_jobs(schema))
+
+
+def percentile(values: Sequence[float], share: float) -> float:
+    """The median for 0.5, else the nearest rank: the smallest value at or above
+    ``share`` of them (as the latency scenario has always reported them)."""
+    if share == 0.5:
+        return statistics.median(values)
+    ordered = sorted(values)
+    rank = max(1, math.ceil(len(ordered) * share - 1e-9))  # 200 * 0.99 is rank 198
+    return ordered[rank - 1]
+
+
+# --- Python clients ------------------------------------------------------------------
+
+
+def _client_transaction(
+    url: str, conn: psycopg.Connection[Any], schema: str, path: str, tasks: dict[str, Any]
+) -> Callable[[], None]:
+    """One business transaction on ``conn`` through ``path``, as a callable."""
+    order = _render(ORDER_INSERT, schema)
+    if path == PATH_SQL:
+        job = _render(PLAIN_JOB_INSERT, schema)
+
+        def plain() -> None:
+            conn.execute(order, (random.randint(1, 1000),))
+            conn.execute(job)
+            conn.commit()
+
+        return plain
+    if schema not in tasks:
+        bench_app = App(url, schema=schema)
+        tasks[schema] = bench_app.task(name="bench.noop")(noop.fn)
+    task = tasks[schema]
+
+    def enqueue() -> None:
+        conn.execute(order, (random.randint(1, 1000),))
+        task.enqueue(conn)
+        conn.commit()
+
+    return enqueue
+
+
+def _client_run(
+    url: str,
+    command: tuple[str, str, int, float],
+    tasks: dict[str, Any],
+    signals: tuple[Any, Any],
+    say: Callable[[str, object], None],
+) -> int:
+    """Connect ``threads`` clients, say so, then commit transactions from all of them
+    until ``seconds`` after the start (none if the run is called off): the number
+    committed by then."""
+    schema, path, threads, seconds = command
+    start, abort = signals
+    with contextlib.ExitStack() as stack:
+        conns = [stack.enter_context(psycopg.connect(url)) for _ in range(threads)]
+        steps = [_client_transaction(url, conn, schema, path, tasks) for conn in conns]
+        go = threading.Event()
+        deadline = [0.0]
+        counts = [0] * threads
+        errors: list[BaseException] = []
+
+        def client(index: int) -> None:
+            go.wait()
+            step = steps[index]
+            try:
+                while time.monotonic() < deadline[0]:
+                    step()
+                    if time.monotonic() >= deadline[0]:
+                        break
+                    counts[index] += 1
+            except BaseException as exc:  # reported by the process, not lost in a thread
+                errors.append(exc)
+
+        running = [threading.Thread(target=client, args=(i,)) for i in range(threads)]
+        for thread in running:
+            thread.start()
+        say("ready", 0)
+        started = start.wait(120) and not abort.is_set()
+        deadline[0] = time.monotonic() + (seconds if started else 0.0)
+        go.set()
+        for thread in running:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return sum(counts)
+
+
+def _client_process(url: str, index: int, commands: Any, signals: Any, results: Any) -> None:
+    """A client process: runs the commands it is sent until it is sent None."""
+    tasks: dict[str, Any] = {}
+
+    def say(kind: str, value: object) -> None:
+        results.put((kind, index, value))
+
+    while (command := commands.get()) is not None:
+        try:
+            say("done", _client_run(url, command, tasks, signals, say))
+        except Exception:
+            say("error", traceback.format_exc())
+
+
+class ClientPool:
+    """Python client processes (spawned: the URL travels through a pipe, not a command
+    line), kept for a whole scenario so that no run pays for starting them."""
+
+    def __init__(self, url: str, processes: int = CLIENT_PROCESSES) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._start = context.Event()
+        self._abort = context.Event()
+        self._results: Any = context.Queue()
+        self._commands: list[Any] = [context.Queue() for _ in range(processes)]
+        signals = (self._start, self._abort)
+        self._children = [
+            context.Process(
+                target=_client_process, args=(url, index, commands, signals, self._results)
+            )
+            for index, commands in enumerate(self._commands)
+        ]
+
+    def __enter__(self) -> ClientPool:
+        for child in self._children:
+            child.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._abort.set()  # a child still waiting for a start gives up at once
+        self._start.set()
+        for commands in self._commands:
+            commands.put(None)
+        for child in self._children:
+            child.join(30)
+            if child.is_alive():
+                child.kill()
+                child.join()
+
+    def shape(self, clients: int) -> str:
+        processes = min(clients, len(self._children))
+        threads = -(-clients // processes)
+        return f"python, {processes} processes x {threads} threads"
+
+    def _next(self, deadline: float) -> tuple[str, int, Any]:
+        while True:
+            try:
+                kind, index, value = self._results.get(timeout=1)
+                return str(kind), int(index), value
+            except queue.Empty:
+                dead = [c.exitcode for c in self._children if c.exitcode is not None]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"bench client processes stopped answering (exit codes {dead})"
+                    ) from None
+
+    def run(self, schema: str, path: str, clients: int, seconds: float) -> float:
+        """Transactions per second committed by ``clients`` threads through ``path``. If a
+        process fails to get ready, the others are called off and their answers taken,
+        so the pool is ready for the next run, and the failure is raised."""
+        self._start.clear()
+        self._abort.clear()
+        processes = len(self._children)
+        shares = [len(range(i, clients, processes)) for i in range(processes)]
+        busy = {i for i, share in enumerate(shares) if share}
+        for i in busy:
+            self._commands[i].put((schema, path, shares[i], seconds))
+        deadline = time.monotonic() + 120
+        waiting = set(busy)
+        failure: str | None = None
+        while waiting:
+            kind, index, value = self._next(deadline)
+            waiting.discard(index)
+            if kind == "error":  # before its clients were ready: that process is done
+                failure = str(value)
+                busy.discard(index)
+        if failure is not None:
+            self._abort.set()
+        self._start.set()
+        deadline = time.monotonic() + seconds + 120
+        total, answered = 0, 0
+        while answered < len(busy):
+            kind, _, value = self._next(deadline)
+            answered += 1
+            if kind == "error":
+                failure = failure or str(value)
+            else:
+                total += int(value)
+        if failure is not None:
+            raise RuntimeError(f"a bench client failed:\n{failure}")
+        return total / seconds
+
+
+# --- enqueue-concurrent --------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def commit_schemas(url: str) -> Iterator[tuple[str, str]]:
+    """The measured schema and its reference: the same migrations, an orders table in
+    each, and the reference's jobs table without any insert trigger."""
+    with (
+        fresh_schema(url, BENCH_SCHEMA),
+        fresh_schema(url, NO_TRIGGER_SCHEMA),
+        psycopg.connect(url, autocommit=True) as conn,
+    ):
+        for schema in (BENCH_SCHEMA, NO_TRIGGER_SCHEMA):
+            conn.execute(_render(ORDERS_TABLE, schema))
+        _set_insert_triggers(conn, NO_TRIGGER_SCHEMA, enabled=False)
+        yield BENCH_SCHEMA, NO_TRIGGER_SCHEMA
+
+
+def _between_runs(conn: psycopg.Connection[Any], schema: str, worker: bool) -> None:
+    """Every run starts from the same tables: emptied with no worker; drained, and its
+    dead rows vacuumed, with one."""
+    if worker:
+        _wait_drained(conn, schema, timeout=600)
+        conn.execute(sql.SQL("TRUNCATE {}").format(_orders(schema)))
+        conn.execute(sql.SQL("VACUUM {}").format(_jobs(schema)))
+    else:
+        conn.execute(sql.SQL("TRUNCATE {}, {}").format(_orders(schema), _jobs(schema)))
+
+
+def enqueue_concurrent(
+    url: str, seconds: float, runs: int, clients: Sequence[int] = COMMIT_CLIENTS
+) -> list[Figure]:
+    """Transactions per second of an order plus a job, per insert path and client count,
+    against the same transaction with no trigger on the jobs table (``vs_no_trigger``);
+    runs alternate, measured then reference. Plain SQL runs under pgbench when there is
+    one (whole seconds), else as Python clients; each figure says which."""
+    pgbench = pgbench_path()
+    figures: list[Figure] = []
+    with (
+        ClientPool(url) as pool,
+        psycopg.connect(url, autocommit=True) as conn,
+    ):
+        for worker in (False, True):
+            with commit_schemas(url) as schemas, contextlib.ExitStack() as workers:
+                if worker:
+                    for schema in schemas:
+                        workers.enter_context(worker_processes(url, schema, 1, WORKER_SLOTS))
+                for path in COMMIT_PATHS:
+                    for count in clients:
+                        figures += _commit_pair(
+                            conn, pool, pgbench, url, schemas, path, count, seconds, runs, worker
+                        )
+    return figures
+
+
+# Connection slots this session's role may still open: a superuser may use those kept for
+# superusers too. Walsenders, autovacuum and background workers have slots of their own.
+FREE_CONNECTIONS = """
+SELECT current_setting('max_connections')::int
+       - (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')
+       - CASE WHEN (SELECT rolsuper FROM pg_roles WHERE rolname = current_user) THEN 0
+              ELSE current_setting('superuser_reserved_connections')::int
+                   + coalesce(current_setting('reserved_connections', true)::int, 0)
+         END
+"""
+
+
+def _wait_for_connections(conn: psycopg.Connection[Any], clients: int) -> None:
+    """Wait until the server has a slot for each client (sessions of others sharing it
+    come and go), for a minute at most; then say what is missing."""
+    deadline = time.monotonic() + 60
+    while True:
+        row = conn.execute(FREE_CONNECTIONS).fetchone()
+        free = int(row[0]) if row is not None else 0
+        if free >= clients:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"enqueue-concurrent needs {clients} connections at once and the server "
+                f"has {free} free (raise max_connections, or stop other sessions)"
+            )
+        time.sleep(0.5)
+
+
+# What the server says when it has no connection slot left.
+NO_SLOTS = ("too many clients", "remaining connection slots are reserved")
+RUN_ATTEMPTS = 5
+
+
+def _commit_run(
+    conn: psycopg.Connection[Any],
+    pool: ClientPool,
+    pgbench: Path | None,
+    url: str,
+    schema: str,
+    path: str,
+    clients: int,
+    seconds: float,
+    worker: bool,
+) -> float:
+    """One run's transactions per second, under pgbench when it is given (whole
+    seconds), else from the pool. A run that could not open all its connections, other
+    sessions on the server having taken the slots it waited for, is run again."""
+    for attempt in range(1, RUN_ATTEMPTS + 1):
+        _between_runs(conn, schema, worker)
+        _wait_for_connections(conn, clients)
+        try:
+            if pgbench is not None:
+                script = _render(PGBENCH_SCRIPT, schema).as_string(conn)
+                done = run_pgbench(
+                    pgbench, url, script, clients=clients, seconds=max(1, round(seconds))
+                )
+                return done.tps
+            return pool.run(schema, path, clients, seconds)
+        except RuntimeError as exc:
+            if attempt == RUN_ATTEMPTS or not any(text in str(exc) for text in NO_SLOTS):
+                raise
+            print(
+                f"enqueue-concurrent: the server ran out of connections during a run of "
+                f"{clients} clients; running it again",
+                file=sys.stderr,
+                flush=True,
+            )
+    raise AssertionError("unreachable")
+
+
+def _commit_pair(
+    conn: psycopg.Connection[Any],
+    pool: ClientPool,
+    pgbench: Path | None,
+    url: str,
+    schemas: tuple[str, str],
+    path: str,
+    clients: int,
+    seconds: float,
+    runs: int,
+    worker: bool,
+) -> list[Figure]:
+    name = f"enqueue-concurrent {path}, {clients} clients" + (", idle worker" if worker else "")
+    measured = Figure(name, "tx/s")
+    reference = Figure(name + ", no trigger", "tx/s")
+    use_pgbench = path == PATH_SQL and pgbench is not None
+    for _ in range(runs):
+        for schema, figure in zip(schemas, (measured, reference), strict=True):
+            figure.runs.append(
+                _commit_run(
+                    conn,
+                    pool,
+                    pgbench if use_pgbench else None,
+                    url,
+                    schema,
+                    path,
+                    clients,
+                    seconds,
+                    worker,
+                )
+            )
+    client = f"pgbench, {clients} connections" if use_pgbench else pool.shape(clients)
+    workers = f"1 process x {WORKER_SLOTS} slots on each schema" if worker else "none"
+    for figure in (measured, reference):
+        figure.extra.update(client=client, workers=workers)
+    measured.extra["vs_no_trigger"] = round(measured.median / reference.median, 2)
+    return [measured, reference]
+
+
+# --- wake-up latency -----------------------------------------------------------------
+
+WAKEUP_SAMPLES = 200
+WAKEUP_GAP = 0.02
+BATCH = 100
+
+
+def _sqlalchemy() -> Any | None:
+    """skiplock.contrib.sqlalchemy when SQLAlchemy is installed, else None. Loaded by
+    name: the integration sits above the bench in the import layers, and is measured
+    here exactly as an application calls it."""
+    try:
+        return importlib.import_module("skiplock.contrib.sqlalchemy")
+    except ImportError:
+        return None
+
+
+def wakeup_paths() -> tuple[str, ...]:
+    paths = (PATH_ENQUEUE, "enqueue_many, 1 job", f"enqueue_many, {BATCH} jobs", PATH_SQL)
+    return (*paths, "SQLAlchemy enqueue") if _sqlalchemy() is not None else paths
+
+
+class _Sampler:
+    """Enqueues one sample through each insert path and notes its commit time."""
+
+    def __init__(self, url: str, bench_app: App, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+        self.bench_app = bench_app
+        self.task = bench_app.task(name="bench.probe")(probe.fn)
+        self.plain = sql.SQL(
+            "INSERT INTO {} (task, args) VALUES ('bench.probe', '{{}}') RETURNING id"
+        ).format(_jobs(bench_app.schema))
+        self.contrib: Any = _sqlalchemy()
+        if self.contrib is not None:
+            engine = importlib.import_module("sqlalchemy").create_engine(
+                "postgresql+psycopg://", creator=lambda: psycopg.connect(url)
+            )
+            self.session_class = importlib.import_module("sqlalchemy.orm").Session
+            self.engine = engine
+
+    def close(self) -> None:
+        if self.contrib is not None:
+            self.engine.dispose()
+
+    def sample(self, path: str) -> tuple[list[int], float]:
+        conn = self.conn
+        if path == PATH_ENQUEUE:
+            ids = [int(self.task.enqueue(conn))]
+        elif path == "enqueue_many, 1 job":
+            ids = self.bench_app.enqueue_many(conn, [self.task.job()])
+        elif path == f"enqueue_many, {BATCH} jobs":
+            ids = self.bench_app.enqueue_many(conn, [self.task.job() for _ in range(BATCH)])
+        elif path == PATH_SQL:
+            row = conn.execute(self.plain).fetchone()
+            assert row is not None
+            ids = [int(row[0])]
+        else:
+            with self.session_class(self.engine) as session:
+                ids = [int(self.contrib.enqueue(session, self.task))]
+                session.commit()
+                return ids, time.time()
+        conn.commit()
+        return ids, time.time()
+
+
+def wakeup_once(
+    url: str, schema: str, paths: Sequence[str], samples: int, gap: float
+) -> dict[str, list[float]]:
+    """Milliseconds from each sample's commit to its handler's start (the first start, for
+    a batch), ``samples`` per path, the paths taken in turn so drift hits all alike; one
+    worker process idle on the queue, ``gap`` seconds between samples."""
+    with (
+        fresh_schema(url, schema) as bench_app,
+        worker_processes(url, schema, 1, WORKER_SLOTS),
+        psycopg.connect(url) as conn,
+        psycopg.connect(url, autocommit=True) as watch,
+    ):
+        sampler = _Sampler(url, bench_app, conn)
+        taken: list[tuple[str, list[int], float]] = []
+        try:
+            for _ in range(samples):
+                for path in paths:
+                    ids, committed = sampler.sample(path)
+                    taken.append((path, ids, committed))
+                    if len(ids) > 1:  # the next sample must find the worker idle again
+                        _wait_drained(watch, schema, timeout=60)
+                    time.sleep(gap)
+        finally:
+            sampler.close()
+        _wait_drained(watch, schema, timeout=60)
+        started: dict[int, float] = dict(
+            watch.execute(
+                sql.SQL("SELECT id, result::float8 FROM {}").format(
+                    sql.Identifier(schema, "job_history")
+                )
+            ).fetchall()
+        )
+    waits: dict[str, list[float]] = {path: [] for path in paths}
+    for path, ids, committed in taken:
+        waits[path].append((min(started[i] for i in ids) - committed) * 1000)
+    return waits
+
+
+def wakeup(
+    url: str,
+    schema: str,
+    runs: int,
+    paths: Sequence[str] | None = None,
+    samples: int = WAKEUP_SAMPLES,
+    gap: float = WAKEUP_GAP,
+    name: Callable[[str, str], str] = lambda path, pct: f"wake-up {path} {pct}",
+) -> list[Figure]:
+    """p50, p95 and p99 of the idle wake-up per insert path, each a median of ``runs``."""
+    chosen = tuple(paths or wakeup_paths())
+    figures = {
+        (path, pct): Figure(name(path, pct), "ms", extra={"samples": samples})
+        for path in chosen
+        for pct in ("p50", "p95", "p99")
+    }
+    for _ in range(runs):
+        for path, waits in wakeup_once(url, schema, chosen, samples, gap).items():
+            for pct, share in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
+                figures[path, pct].runs.append(percentile(waits, share))
+    return list(figures.values())
+
+
+# --- late-commit ---------------------------------------------------------------------
+
+LATE_HOLD = 0.1  # the late transaction stays open this long after its insert
+LATE_GAP = 0.05
+LATE_MIN_SAMPLES = 5
+# The stream keeps the worker's slots this busy on average, whatever its rate.
+STREAM_LOAD = 0.8
+STREAM_TICK = 0.01
+
+
+def stream_job_ms(rate: int) -> int:
+    return max(1, round(STREAM_LOAD * WORKER_SLOTS * 1000 / rate))
+
+
+def _feed(url: str, bench_app: App, rate: int, stop: threading.Event) -> None:
+    """``rate`` pause jobs per second, a transaction every STREAM_TICK."""
+    task = bench_app.task(name="bench.pause")(pause.fn)
+    ms = stream_job_ms(rate)
+    carry = 0.0
+    next_at = time.monotonic()
+    with psycopg.connect(url) as conn:
+        while not stop.is_set():
+            carry += rate * STREAM_TICK
+            count = int(carry)
+            carry -= count
+            if count:
+                bench_app.enqueue_many(conn, [task.job(ms=ms) for _ in range(count)])
+                conn.commit()
+            next_at += STREAM_TICK
+            time.sleep(max(0.0, next_at - time.monotonic()))
+
+
+def _late_jobs(conn: psycopg.Connection[Any], late: Any, seconds: float) -> dict[int, float]:
+    """Open a transaction, insert one job (its place in line: the transaction's start),
+    hold it LATE_HOLD while the stream's later jobs commit and are claimed, commit;
+    repeat for ``seconds``. Each job's commit time."""
+    committed: dict[int, float] = {}
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline or len(committed) < LATE_MIN_SAMPLES:
+        job_id = int(late.enqueue(conn))
+        time.sleep(LATE_HOLD)
+        conn.commit()
+        committed[job_id] = time.time()
+        time.sleep(LATE_GAP)
+    return committed
+
+
+def late_commit_once(url: str, schema: str, rate: int, seconds: float) -> dict[str, Any]:
+    """Both variants of a late job (the stream's priority, then ahead of it) against one
+    busy worker: commit-to-start milliseconds of each, and the share of late jobs that
+    the worker had already passed, a stream job behind them in line claimed before their
+    commit (on this machine's clock: a server here)."""
+    with (
+        fresh_schema(url, schema) as bench_app,
+        worker_processes(url, schema, 1, WORKER_SLOTS),
+        psycopg.connect(url) as conn,
+        psycopg.connect(url, autocommit=True) as watch,
+    ):
+        probe_task = bench_app.task(name="bench.probe")(probe.fn)
+        variants = {"same": probe_task, "higher": probe_task.with_options(priority=-1)}
+        stop = threading.Event()
+        feeder = threading.Thread(target=_feed, args=(url, bench_app, rate, stop), daemon=True)
+        feeder.start()
+        committed: dict[str, dict[int, float]] = {}
+        try:
+            time.sleep(0.5)  # the stream under way
+            for variant, late in variants.items():
+                committed[variant] = _late_jobs(conn, late, seconds)
+        finally:
+            stop.set()
+            feeder.join()
+        _wait_drained(watch, schema, timeout=600)
+        rows = watch.execute(
+            sql.SQL(
+                "SELECT id, task, priority, extract(epoch FROM created_at)::float8, "
+                "extract(epoch FROM attempted_at)::float8, result FROM {}"
+            ).format(sql.Identifier(schema, "job_history"))
+        ).fetchall()
+    stream = sorted((r[2], r[3], r[0], r[4]) for r in rows if r[1] == "bench.pause")
+    positions = [(p, at, i) for p, at, i, _ in stream]
+    # The earliest claim among the stream jobs from each position on.
+    earliest = [float("inf")] * (len(stream) + 1)
+    for index in range(len(stream) - 1, -1, -1):
+        earliest[index] = min(stream[index][3], earliest[index + 1])
+    late_rows = {r[0]: r for r in rows if r[1] == "bench.probe"}
+    found: dict[str, Any] = {}
+    for variant, commits in committed.items():
+        waits, passed = [], 0
+        for job_id, at in commits.items():
+            row = late_rows[job_id]
+            waits.append((float(row[5]) - at) * 1000)
+            behind = bisect_right(positions, (row[2], row[3], job_id))
+            passed += earliest[behind] < at
+        found[variant] = {"waits": waits, "passed": passed / len(commits)}
+    return found
+
+
+def late_commit(url: str, schema: str, rate: int, seconds: float, runs: int) -> list[Figure]:
+    """p50 and p99 of the late jobs' commit-to-start latency, at the stream's priority and
+    at a higher one, each a median of ``runs``."""
+    labels = {"same": "late-commit", "higher": "late-commit, higher priority"}
+    figures = {
+        (variant, pct): Figure(f"{label} {pct}", "ms")
+        for variant, label in labels.items()
+        for pct in ("p50", "p99")
+    }
+    samples: dict[str, list[int]] = {variant: [] for variant in labels}
+    passed: dict[str, list[float]] = {variant: [] for variant in labels}
+    for _ in range(runs):
+        for variant, found in late_commit_once(url, schema, rate, seconds).items():
+            figures[variant, "p50"].runs.append(percentile(found["waits"], 0.5))
+            figures[variant, "p99"].runs.append(percentile(found["waits"], 0.99))
+            samples[variant].append(len(found["waits"]))
+            passed[variant].append(found["passed"])
+    stream = f"{rate} jobs/s of {stream_job_ms(rate)} ms, 1 worker x {WORKER_SLOTS}"
+    for (variant, _), figure in figures.items():
+        figure.extra.update(
+            samples=sum(samples[variant]),
+            passed=round(statistics.median(passed[variant]), 2),
+            hold_ms=round(LATE_HOLD * 1000),
+            stream=stream,
+        )
+    return list(figures.values())
