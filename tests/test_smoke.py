@@ -29,7 +29,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from skiplock.bench import OWN_SERVERS
-from skiplock.bench.commit import COMMIT_CLIENTS, COMMIT_PATHS, wakeup_paths
+from skiplock.bench.commit import COMMIT_PATHS, wakeup_paths
 from skiplock.bench.pgbench import pgbench_path
 from skiplock.cli import SCENARIOS
 from skiplock.dashboard import bench as dashboard_bench
@@ -153,12 +153,15 @@ def test_demo_json_holds_every_check_and_keeps_the_password_off_command_lines(
     assert lines.holding(PASSWORD) == []
 
 
-# Figure names per scenario, as `bench --json` reports them.
+# Figure names per scenario, as `bench --json` reports them, for the tiny run below: one
+# client count, a few wake-ups per insert path.
+SMOKE_CLIENTS = (8,)
+SMOKE_SAMPLES = 20
 COMMIT_NAMES = [
     f"enqueue-concurrent {path}, {clients} clients{worker}{reference}"
     for worker in ("", ", idle worker")
     for path in COMMIT_PATHS
-    for clients in COMMIT_CLIENTS
+    for clients in SMOKE_CLIENTS
     for reference in ("", ", no trigger")
 ]
 EXPECTED_FIGURES = {
@@ -223,6 +226,10 @@ def test_every_bench_scenario_runs_at_a_tiny_size(database_url: str) -> None:
         "1,1,1,1",
         "--enqueue-seconds",
         "1",
+        "--clients",
+        ",".join(map(str, SMOKE_CLIENTS)),
+        "--samples",
+        str(SMOKE_SAMPLES),
     ]
 
     report, lines = run_watched(command, with_password(database_url), 420)
@@ -249,7 +256,7 @@ def test_every_bench_scenario_runs_at_a_tiny_size(database_url: str) -> None:
     for prefix in ("latency", *(f"wake-up {path}" for path in wakeup_paths())):
         p50, p95, p99 = (figures[f"{prefix} {pct}"]["median"] for pct in ("p50", "p95", "p99"))
         assert p50 <= p95 <= p99, prefix
-        assert figures[f"{prefix} p50"]["samples"] == 200
+        assert figures[f"{prefix} p50"]["samples"] == SMOKE_SAMPLES
     # The low-concurrency drains are set against both lesson references, with CPU per job
     # read from /proc (the server is on this machine; at this size a drain may take less
     # than the clock tick CPU time is counted in, hence >= 0).

@@ -727,6 +727,17 @@ def phases(text: str) -> list[float]:
         ) from None
 
 
+def client_counts(text: str) -> list[int]:
+    """``bench --clients``: comma-separated numbers of concurrent clients, each 1-1000."""
+    each = count(1, 1000)
+    try:
+        return [int(each(part)) for part in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated client counts, each {each.expected}, got {text!r}"
+        ) from None
+
+
 SCENARIOS = (
     "enqueue",
     "drain",
@@ -770,6 +781,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rate=args.rate,
         phase_seconds=args.phases,
         enqueue_seconds=args.enqueue_seconds,
+        clients=args.clients,
+        samples=args.samples,
         worker_args=shlex.split(args.worker_args),
         promote_after=args.promote_after,
     )
@@ -1064,6 +1077,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=20.0,
         help="enqueue-concurrent: seconds per run and client count; late-commit: seconds "
         "per variant (default %(default)s)",
+    )
+    p.add_argument(
+        "--clients",
+        type=client_counts,
+        default="8,32,64",
+        help="enqueue-concurrent: the numbers of concurrent clients (default %(default)s)",
+    )
+    p.add_argument(
+        "--samples",
+        type=count(1, 100_000),
+        default=200,
+        help="wakeup and latency: jobs timed per insert path and run (default %(default)s)",
     )
     p.add_argument(
         "--promote-after",

@@ -839,6 +839,8 @@ def run(
     rate: int = 1000,
     phase_seconds: Sequence[float] = (20, 60, 180, 60),
     enqueue_seconds: float = 20.0,
+    clients: Sequence[int] = (8, 32, 64),
+    samples: int = 200,
     worker_args: Sequence[str] = (),
     promote_after: float = 0.0,
 ) -> int:
@@ -905,9 +907,9 @@ def run(
             from skiplock.bench import commit  # noqa: PLC0415 - imports this module
 
             if scenario == "enqueue-concurrent":
-                built = commit.enqueue_concurrent(url, enqueue_seconds, runs)
+                built = commit.enqueue_concurrent(url, enqueue_seconds, runs, clients)
             elif scenario == "wakeup":
-                built = commit.wakeup(url, schema, runs)
+                built = commit.wakeup(url, schema, runs, samples=samples)
             elif scenario == "latency":
                 # The wake-up through Task.enqueue, under the figures' old names.
                 built = commit.wakeup(
@@ -915,6 +917,7 @@ def run(
                     schema,
                     runs,
                     paths=[commit.PATH_ENQUEUE],
+                    samples=samples,
                     name=lambda _path, pct: f"latency {pct}",
                 )
             else:
