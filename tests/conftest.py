@@ -258,7 +258,11 @@ class Listener:
         self.conn = psycopg.connect(url, autocommit=True)
         self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
 
-    def collect(self, timeout: float = 10.0) -> list[str]:
+    def collect_payloads(self, timeout: float = 10.0) -> list[str]:
+        """Like ``collect``, the whole payloads."""
+        return self.collect(timeout, whole=True)
+
+    def collect(self, timeout: float = 10.0, *, whole: bool = False) -> list[str]:
         sentinel = f"sentinel-{uuid.uuid4().hex}"
         with psycopg.connect(self.url, autocommit=True) as other:
             other.execute("SELECT pg_notify(%s, %s)", (self.channel, sentinel))
@@ -271,7 +275,7 @@ class Listener:
             for note in self.conn.notifies(timeout=remaining, stop_after=1):
                 if note.payload == sentinel:
                     return queues
-                queues.append(note.payload.split("\t", 1)[0])
+                queues.append(note.payload if whole else note.payload.split("\t", 1)[0])
 
     def wait_on(self, *queues: str, schema: str = "skiplock") -> None:
         """Hold the sentinel keys of ``queues`` from this connection, as an idle worker

@@ -44,6 +44,8 @@ def bad_values(kind: Callable[[str], Any]) -> list[str]:
         return ["-1", HUGE, "nan", "inf", "-inf"]
     if kind is getattr(cli, "phases", None):
         return ["20,-1,180,60", "20,nan,180,60", f"20,{HUGE}e9,180,60"]
+    if kind is getattr(cli, "client_counts", None):
+        return ["8,0", "8,1001", f"8,{HUGE}", "8,x"]
     assert isinstance(kind, command_line.Number), f"give {kind!r} bounds (command_line.Number)"
     below = kind.minimum if kind.above else kind.minimum - 1
     values = [repr(int(below)) if kind.whole else repr(float(below)), HUGE]

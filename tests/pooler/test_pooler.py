@@ -140,11 +140,14 @@ def test_doctor_says_which_worker_settings_to_use_behind_the_pooler(
 
 
 def advisory_holders(database_url: str) -> list[str]:
-    """The application names of the sessions holding an advisory lock."""
+    """The application names of the sessions holding a shared advisory lock: the
+    liveness lock (an idle worker's wake-up session holds its queues' sentinel keys too,
+    exclusively: decision 023)."""
     with psycopg.connect(database_url, autocommit=True) as conn:
         rows = conn.execute(
             "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
             "WHERE l.locktype = 'advisory' AND l.granted AND a.datname = current_database() "
+            "  AND l.mode = 'ShareLock' "
             "ORDER BY 1"
         ).fetchall()
     return [str(row[0]) for row in rows]
