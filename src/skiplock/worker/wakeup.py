@@ -77,7 +77,6 @@ class WakeupSession:
         # Bumped whenever the session is given up: an answer from the one before says
         # nothing of the keys now.
         self._generation = 0
-        self.arms = 0
 
     def notified(self, queue: str) -> bool:
         """Whether inserts into ``queue`` notify now, as far as this process knows."""
@@ -102,7 +101,6 @@ class WakeupSession:
             if generation != self._generation:
                 return Armed.UNAVAILABLE  # reset meanwhile: those keys go with that session
         answer = Armed(row[0]) if row is not None else Armed.UNAVAILABLE
-        self.arms += 1
         if answer is Armed.NOW:
             self.armed.add(queue)
         if answer is Armed.COVERED:
@@ -248,7 +246,6 @@ class LateCommits(PeriodicService):
         self._on_found = on_found
         self._statement = render(wakeup.JOB_LATE_COMMITS, schema)
         self.reads = LateReads()
-        self.found = 0
         self._pinged = float("-inf")
 
     async def pause(self) -> None:
@@ -267,8 +264,5 @@ class LateCommits(PeriodicService):
             self._statement, self.reads.params(queues, self._excluded)
         )
         for queue, position in self.reads.read(queues, rows).items():
-            cursor = self._cursors[queue]
-            if cursor.position is not None and position <= cursor.position:
-                self.found += 1
-            cursor.rewind_to(position)
+            self._cursors[queue].rewind_to(position)
             self._on_found(queue)
