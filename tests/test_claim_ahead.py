@@ -211,8 +211,8 @@ def one_waiting(
             conn, [blocker.with_options(priority=0).job(), waiting.with_options(priority=1).job()]
         )
     handle = start_worker(app, concurrency=1, prefetch=1)
-    jobs = handle.worker._jobs
-    assert jobs is not None
+    assert handle.worker.parts is not None
+    jobs = handle.worker.parts.jobs
     wait_until(lambda: len(jobs.held) == 2 and len(jobs.at_gate) == 1, 30.0, "both claimed")
     (waiting_id,) = jobs.at_gate
     return OneWaiting(handle, jobs, waiting_id, release, ran)
@@ -293,9 +293,9 @@ def test_a_claim_answered_late_is_read_again_before_its_jobs_start(
         ran.append(1)
 
     handle = start_worker(app, concurrency=1, prefetch=1)
-    wait_until(lambda: handle.worker._jobs is not None, 30.0, "the worker to start")
-    jobs = handle.worker._jobs
-    assert jobs is not None
+    wait_until(lambda: handle.worker.parts is not None, 30.0, "the worker to start")
+    assert handle.worker.parts is not None
+    jobs = handle.worker.parts.jobs
     jobs.confirm_after = 0.2
     armed = threading.Event()
     fetchall = psycopg.AsyncCursor.fetchall
@@ -379,7 +379,7 @@ def warm_up(app: skiplock.App, handle: WorkerThread, short: TaskCall[None]) -> N
     with psycopg.connect(app.database_url) as conn:
         warm = app.enqueue_many(conn, [short.job(n=n) for n in range(300)])
     wait_until(lambda: len(finished_rows(app, warm)) == len(warm), 60.0, "the warm-up")
-    ahead = handle.worker._jobs.ahead if handle.worker._jobs is not None else None
+    ahead = handle.worker.parts.ahead if handle.worker.parts is not None else None
     assert ahead is not None
     assert ahead.target > 0, (ahead.job_seconds, ahead.claim_seconds)
 

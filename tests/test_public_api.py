@@ -25,6 +25,7 @@ PUBLIC = [
     "Task",
     "UnknownTaskError",
     "Worker",
+    "WorkerOptions",
     "cancel_requested",
     "current_job",
     "set_progress",

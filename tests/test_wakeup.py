@@ -133,7 +133,8 @@ def idle_worker(
     done = threading.Event()
     app.task(name="note")(done.set)
     handle = start_worker(app, **SLOW_POLL)
-    wakeups = handle.worker._wakeups
+    assert handle.worker.parts is not None
+    wakeups = handle.worker.parts.wakeups
     assert wakeups is not None
     wait_until(lambda: "default" in wakeups.armed, 10, "the worker to arm its queue")
     return done, wakeups
@@ -307,7 +308,8 @@ def test_a_session_posing_as_sentinel_only_makes_inserts_notify(
     with psycopg.connect(database_url, autocommit=True) as impostor:
         assert arm(impostor) == "armed"
         handle = start_worker(app, **SLOW_POLL)
-        wakeups = handle.worker._wakeups
+        assert handle.worker.parts is not None
+        wakeups = handle.worker.parts.wakeups
         assert wakeups is not None
         wait_until(lambda: "default" in wakeups.covered, 10, "the worker to find it covered")
         with psycopg.connect(database_url) as conn:
@@ -323,11 +325,13 @@ def test_a_stopping_sentinel_hands_over_to_the_worker_it_covered(
     done = threading.Event()
     app.task(name="note")(done.set)
     first = start_worker(app, **SLOW_POLL)
-    first_keys = first.worker._wakeups
+    assert first.worker.parts is not None
+    first_keys = first.worker.parts.wakeups
     assert first_keys is not None
     wait_until(lambda: "default" in first_keys.armed, 10, "the first worker to arm")
     second = start_worker(app, **SLOW_POLL)
-    second_keys = second.worker._wakeups
+    assert second.worker.parts is not None
+    second_keys = second.worker.parts.wakeups
     assert second_keys is not None
     wait_until(lambda: "default" in second_keys.covered, 10, "the second worker to be covered")
 

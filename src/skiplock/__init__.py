@@ -20,7 +20,7 @@ from skiplock.results import JobRef
 from skiplock.retry import RetryPolicy
 from skiplock.tasks import JobSpec, Task
 from skiplock.types import ClaimedJob, Job, JobState
-from skiplock.worker import Worker
+from skiplock.worker import Worker, WorkerOptions
 
 __all__ = [
     "App",
@@ -41,6 +41,7 @@ __all__ = [
     "Task",
     "UnknownTaskError",
     "Worker",
+    "WorkerOptions",
     "cancel_requested",
     "current_job",
     "set_progress",

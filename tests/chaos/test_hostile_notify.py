@@ -226,8 +226,8 @@ def test_hostile_notifications_cancel_nothing_rerun_nothing_lose_nothing(
             what="the queue to drain",
         )
         drained = time.monotonic() - started
-        malformed = sum(h.worker._listener.malformed for h in workers if h.worker._listener)
-        refused = sum(h.worker._cancels.refused for h in workers if h.worker._cancels)
+        malformed = sum(h.worker.parts.listener.malformed for h in workers if h.worker.parts)
+        refused = sum(h.worker.parts.cancels.refused for h in workers if h.worker.parts)
         restarts = [h.worker.service_restarts for h in workers]
     finally:
         for handle in workers:

@@ -309,8 +309,8 @@ def test_the_heartbeat_keeps_its_statement_bounds_unless_it_goes_through_the_poo
     url = pooled_url if options.get("pooler") else database_url
     handle = WorkerThread(skiplock.Worker(skiplock.App(url, schema=SCHEMA), **options)).start()
     try:
-        heartbeat = handle.worker._heartbeat
-        assert heartbeat is not None
+        assert handle.worker.parts is not None
+        heartbeat = handle.worker.parts.heartbeat
         kwargs = heartbeat._connect_kwargs
         if bounded:
             assert "statement_timeout" in kwargs["options"], kwargs

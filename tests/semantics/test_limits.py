@@ -418,8 +418,8 @@ def test_jobs_claimed_ahead_never_hold_a_limited_queue_back(
     assert blocking.wait(PATIENCE)
     # Each lease claim of the busy worker asks once whether its queue is limited.
     fetches: list[str] = []
-    limits = busy.worker._limits
-    assert limits is not None
+    assert busy.worker.parts is not None
+    limits = busy.worker.parts.limits
     governs = QueueLimits.__contains__
 
     def counted(self: QueueLimits, queue: str) -> bool:
