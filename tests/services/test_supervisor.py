@@ -15,8 +15,8 @@ import pytest
 from conftest import wait_until
 from skiplock.metrics import PrometheusMetrics
 from skiplock.retry import RetryPolicy
+from skiplock.worker import assembly
 from skiplock.worker import listener as listener_module
-from skiplock.worker import worker as worker_module
 from skiplock.worker.leader import Promotion
 from skiplock.worker.supervisor import Supervisor
 
@@ -174,7 +174,7 @@ def test_a_listener_that_raises_is_restarted_and_takes_its_liveness_lock_again(
                 raise RuntimeError("injected fault")
             super().dispatch(channel, payload)
 
-    monkeypatch.setattr(worker_module, "Listener", Faulty)
+    monkeypatch.setattr(assembly, "Listener", Faulty)
     ran: list[int] = []
 
     @ops.app.task(name="after")
@@ -221,7 +221,7 @@ def test_claims_wait_while_the_listener_is_down(
                 raise RuntimeError("injected fault")
             super().dispatch(channel, payload)
 
-    monkeypatch.setattr(worker_module, "Listener", Faulty)
+    monkeypatch.setattr(assembly, "Listener", Faulty)
     ran: list[int] = []
 
     @ops.app.task(name="blocked")

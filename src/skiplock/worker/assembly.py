@@ -23,11 +23,11 @@ from skiplock.control import Wakeup
 from skiplock.cursor import ClaimCursor
 from skiplock.sql import wakeup
 from skiplock.worker.cancels import CancelRequests
+from skiplock.worker.cursors import CursorProbe
 from skiplock.worker.heartbeat import Heartbeat
 from skiplock.worker.leader import (
     Admission,
     Cron,
-    CursorProbe,
     Election,
     History,
     Promotion,

@@ -1,10 +1,9 @@
 """The duties done once for the whole fleet, by the elected leader, each a service.
 
 Election decides who leads; rescue, admission and history act only while this worker
-leads. Promotion, cron and the cursor probe run on every worker: promotion makes this
-worker's retries due on time, cron enqueues the ticks of this worker's own schedules
-(decision 021: other services sharing the schema have schedules of their own), the probe
-serves this worker's own claim cursors.
+leads. Promotion and cron run on every worker: promotion makes this worker's retries due
+on time, cron enqueues the ticks of this worker's own schedules (decision 021: other
+services sharing the schema have schedules of their own).
 
 Every statement here runs on the maintenance pool, whose connections bound each
 statement (timeouts.MAINTENANCE): a user's transaction holding a row or a key one of them
@@ -26,10 +25,9 @@ from psycopg_pool import AsyncConnectionPool
 
 from skiplock import admission, history
 from skiplock.config import notify_channel
-from skiplock.cursor import ClaimCursor
 from skiplock.leadership import Leadership
 from skiplock.periodic import tick_due
-from skiplock.sql import claim, maintenance, render
+from skiplock.sql import maintenance, render
 from skiplock.waiting import wait_event
 from skiplock.worker.supervisor import PeriodicService, describe
 from skiplock.worker.timeouts import MAINTENANCE
@@ -431,60 +429,3 @@ class Promotion(PeriodicService):
     async def pause(self) -> None:
         await wait_event(self.wake, self._sleep_for)
         self._sleep_for = self._poll_interval
-
-
-class CursorProbe(PeriodicService):
-    """Every ``every`` seconds, look behind each queue's claim cursor for a ready job no
-    notification announced, and rewind to it (off the claim path: see cursor.py)."""
-
-    name = "probe"
-    log = log
-
-    def __init__(
-        self,
-        pool: Pool,
-        schema: str,
-        cursors: dict[str, ClaimCursor],
-        excluded: list[str],
-        *,
-        every: float,
-        on_found: Callable[[str], None],
-    ) -> None:
-        self._pool = pool
-        self._cursors = cursors
-        self._excluded = excluded
-        self._every = every
-        self._on_found = on_found
-        self._behind = render(claim.JOB_BEHIND_CURSOR, schema)
-
-    async def pause(self) -> None:
-        await asyncio.sleep(self._every)
-
-    async def run(self) -> None:
-        await self.pause()  # claims have just swept: nothing to look for yet
-        await super().run()
-
-    async def run_once(self) -> None:
-        for queue, cursor in self._cursors.items():
-            position = cursor.position
-            if position is None:
-                continue
-            try:
-                async with self._pool.connection() as conn:
-                    cur = await conn.execute(
-                        self._behind,
-                        {
-                            "queue": queue,
-                            "exclude_tasks": self._excluded,
-                            "after_priority": position[0],
-                            "after_run_at": position[1],
-                            "after_id": position[2],
-                        },
-                    )
-                    found = await cur.fetchone()
-            except psycopg.Error as exc:
-                log.warning("cursor probe failed (%s); will retry", describe(exc))
-                continue
-            if found is not None:
-                cursor.rewind_to((found[0], found[1], found[2]))
-                self._on_found(queue)

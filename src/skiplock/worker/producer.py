@@ -294,82 +294,102 @@ class Producer:
         # Inserts wake this producer only through a sentinel it arms (decision 023).
         self._queue = queue
         self._waiting = waiting if queue is not None else None
+        self._rng = random.Random()
+        self._failures = 0  # claims failed in a row, for the back-off
+        # When a claim last brought jobs, and the wait while an insert blocks arming.
+        self._last_jobs, self._gap = float("-inf"), LINGER_GAP
 
     async def run(self) -> None:
-        rng = random.Random()
-        failures = 0
-        last_jobs, gap = float("-inf"), LINGER_GAP
+        """Claim for free slots, again and again; between claims, wait as the last one
+        says: at once after a full batch, briefly while jobs keep coming (the linger),
+        else on the queue's sentinel (decision 023) or the poll interval."""
         while True:
-            await self._slots.wait_free(
-                min(self._batch_max, max(1, self._slots.total // 2)), self._patience
-            )
-            if self._backpressure is not None:
-                await self._backpressure()
-            if self._ahead is not None:
-                # Sized for the slots as they are now: one stuck on a long job since the
-                # last claim must not take jobs ahead that would wait behind it.
-                self._ahead.adjust()
-            want = min(self._slots.free, self._batch_max)
-            if want <= 0:
+            reservation = await self._reserve()
+            if reservation is None:
                 continue
-            reservation = self._slots.reserve(want, self._gate)
-            if self._gate is not None:
-                try:
-                    # Holding the slot, never the other way round: jobs claimed ahead hold
-                    # slots while they wait for a permit.
-                    await self._gate.acquire()
-                except BaseException:
-                    reservation.settle()
-                    raise
-                reservation.permit = True
-            # Clear before claiming: a notification that lands during the claim re-arms it.
-            self._wake.clear()
-            loop = asyncio.get_running_loop()
-            began = loop.time()
-            try:
-                # Shielded: a claim commits in the database before its rows reach us, so
-                # cancelling it half-way (at shutdown) would strand the claimed jobs. The
-                # worker awaits `pending` before it drains.
-                self.pending = pending = asyncio.ensure_future(self._fetch(reservation))
-                pending.add_done_callback(reservation.settle)
-                full = await asyncio.shield(pending)
-                failures = 0
-                if self._ahead is not None:
-                    self._ahead.claimed(loop.time() - began)
-            except psycopg.OperationalError as exc:
-                failures += 1
-                delay = RECONNECT.delay(failures, rng)
-                log.warning("%s: claim failed (%s); retrying in %.2fs", self.name, exc, delay)
-                await asyncio.sleep(delay)
-                continue
-            except Exception:
-                # Anything else must not end claiming on this queue for good.
-                failures += 1
-                delay = RECONNECT.delay(failures, rng)
-                log.exception("%s: claim failed; retrying in %.2fs", self.name, delay)
-                await asyncio.sleep(delay)
+            full = await self._claim(reservation)
+            if full is None:
                 continue
             self.claims += 1
-            if self._waiting is None or self._queue is None:
-                if not full:
-                    await wait_event(self._wake, self._poll_interval)
-                continue
-            now = loop.time()
-            if reservation.kept if reservation.jobs is None else reservation.jobs:
-                self._waiting.busy(self._queue, self)
-                last_jobs, gap = now, LINGER_GAP
-            if full:
-                continue  # a full batch: more is probably waiting
-            if now - last_jobs < LINGER_SECONDS:
-                await wait_event(self._wake, LINGER_GAP)
-                continue
-            armed = await self._waiting.arm(self._queue, self)
-            if armed is not Armed.IN_FLIGHT:
-                gap = LINGER_GAP
-            if armed is Armed.NOW:
-                continue  # what committed before the keys were taken notified nobody
-            if armed is Armed.IN_FLIGHT:
-                await wait_event(self._wake, min(gap, IN_FLIGHT_GAP_MAX, self._poll_interval))
-                gap = min(gap * 2, IN_FLIGHT_GAP_MAX)
-                continue
-            await wait_event(self._wake, self._poll_interval)
+            await self._rest(reservation, full)
+
+    async def _reserve(self) -> Reservation | None:
+        """Wait for free slots (and a run permit when jobs are claimed ahead) and reserve
+        them; None when another claim took them first."""
+        await self._slots.wait_free(
+            min(self._batch_max, max(1, self._slots.total // 2)), self._patience
+        )
+        if self._backpressure is not None:
+            await self._backpressure()
+        if self._ahead is not None:
+            # Sized for the slots as they are now: one stuck on a long job since the last
+            # claim must not take jobs ahead that would wait behind it.
+            self._ahead.adjust()
+        want = min(self._slots.free, self._batch_max)
+        if want <= 0:
+            return None
+        reservation = self._slots.reserve(want, self._gate)
+        if self._gate is not None:
+            try:
+                # Holding the slot, never the other way round: jobs claimed ahead hold
+                # slots while they wait for a permit.
+                await self._gate.acquire()
+            except BaseException:
+                reservation.settle()
+                raise
+            reservation.permit = True
+        return reservation
+
+    async def _claim(self, reservation: Reservation) -> bool | None:
+        """One claim: whether it came back full, or None when it failed (retried after a
+        back-off: nothing may end claiming on this queue for good)."""
+        # Clear before claiming: a notification that lands during the claim re-arms it.
+        self._wake.clear()
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        try:
+            # Shielded: a claim commits in the database before its rows reach us, so
+            # cancelling it half-way (at shutdown) would strand the claimed jobs. The
+            # worker awaits `pending` before it drains.
+            self.pending = pending = asyncio.ensure_future(self._fetch(reservation))
+            pending.add_done_callback(reservation.settle)
+            full = await asyncio.shield(pending)
+        except Exception as exc:
+            self._failures += 1
+            delay = RECONNECT.delay(self._failures, self._rng)
+            if isinstance(exc, psycopg.OperationalError):
+                log.warning("%s: claim failed (%s); retrying in %.2fs", self.name, exc, delay)
+            else:
+                log.exception("%s: claim failed; retrying in %.2fs", self.name, delay)
+            await asyncio.sleep(delay)
+            return None
+        self._failures = 0
+        if self._ahead is not None:
+            self._ahead.claimed(loop.time() - began)
+        return full
+
+    async def _rest(self, reservation: Reservation, full: bool) -> None:
+        """Wait until the next claim is worth making."""
+        if self._waiting is None or self._queue is None:
+            if not full:
+                await wait_event(self._wake, self._poll_interval)
+            return
+        now = asyncio.get_running_loop().time()
+        if reservation.kept if reservation.jobs is None else reservation.jobs:
+            self._waiting.busy(self._queue, self)
+            self._last_jobs, self._gap = now, LINGER_GAP
+        if full:
+            return  # a full batch: more is probably waiting
+        if now - self._last_jobs < LINGER_SECONDS:
+            await wait_event(self._wake, LINGER_GAP)
+            return
+        armed = await self._waiting.arm(self._queue, self)
+        if armed is not Armed.IN_FLIGHT:
+            self._gap = LINGER_GAP
+        if armed is Armed.NOW:
+            return  # what committed before the keys were taken notified nobody
+        if armed is Armed.IN_FLIGHT:
+            await wait_event(self._wake, min(self._gap, IN_FLIGHT_GAP_MAX, self._poll_interval))
+            self._gap = min(self._gap * 2, IN_FLIGHT_GAP_MAX)
+            return
+        await wait_event(self._wake, self._poll_interval)

@@ -26,7 +26,7 @@ import psycopg
 from skiplock.config import notify_channel
 from skiplock.cursor import ClaimCursor, LateReads
 from skiplock.sql import render, wakeup
-from skiplock.worker.supervisor import PeriodicService
+from skiplock.worker.cursors import CursorWatch
 
 log = logging.getLogger("skiplock.worker.wakeup")
 
@@ -221,7 +221,7 @@ class WakeupSession:
         self.armed.clear()
 
 
-class LateCommits(PeriodicService):
+class LateCommits(CursorWatch):
     """Every ``every`` seconds, find jobs that committed behind a busy queue's claim
     cursor and rewind it to them (sql/wakeup.py, JOB_LATE_COMMITS). A queue whose inserts
     notify (a sentinel waits on it) is left out: its notifications rewind the cursor."""
@@ -239,11 +239,8 @@ class LateCommits(PeriodicService):
         every: float,
         on_found: Callable[[str], None],
     ) -> None:
+        super().__init__(cursors, excluded, every=every, on_found=on_found)
         self._session = session
-        self._cursors = cursors
-        self._excluded = excluded
-        self._every = every
-        self._on_found = on_found
         self._statement = render(wakeup.JOB_LATE_COMMITS, schema)
         self.reads = LateReads()
         self._pinged = float("-inf")
@@ -264,5 +261,4 @@ class LateCommits(PeriodicService):
             self._statement, self.reads.params(queues, self._excluded)
         )
         for queue, position in self.reads.read(queues, rows).items():
-            self._cursors[queue].rewind_to(position)
-            self._on_found(queue)
+            self.found(queue, position)
