@@ -284,7 +284,7 @@ def test_the_leader_comes_back_for_a_key_it_found_held(
     sem: Sem, workers: StartWorkers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A moment later, not at its next periodic pass (a minute away here)."""
-    from skiplock.worker.leader import Admission  # noqa: PLC0415 - the class spied on
+    from skiplock.worker.leader import KeyAdmission as Admission  # noqa: PLC0415 - spied on
 
     found_held = threading.Event()
     original = Admission.admit_pass

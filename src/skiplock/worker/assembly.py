@@ -26,10 +26,10 @@ from skiplock.worker.cancels import CancelRequests
 from skiplock.worker.cursors import CursorProbe
 from skiplock.worker.heartbeat import Heartbeat
 from skiplock.worker.leader import (
-    Admission,
-    Cron,
     Election,
     History,
+    KeyAdmission,
+    PeriodicTicks,
     Promotion,
     Rescue,
 )
@@ -179,7 +179,7 @@ class Parts:
             rng=worker.rng,
             ahead=self.ahead,
         )
-        self.admission = Admission(
+        self.admission = KeyAdmission(
             maintenance,
             self.schema,
             worker.leadership,
@@ -283,7 +283,7 @@ class Parts:
                 on_elected=self.elected,
             ),
             self.rescue,
-            Cron(maintenance, worker.app, tick=tick),
+            PeriodicTicks(maintenance, worker.app, tick=tick),
             History(
                 connections.dedicated_url,
                 self.schema,

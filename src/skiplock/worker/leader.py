@@ -178,7 +178,7 @@ class Rescue(LeaderService):
             log.warning("rescued %d jobs of dead workers or expired leases", rescued)
 
 
-class Cron(PeriodicService):
+class PeriodicTicks(PeriodicService):
     """Enqueue the due ticks of this worker's own periodic tasks (periodic.tick_due), on
     every worker, leader or not: a schedule ticks while any live worker that defines it
     runs, each tick once (decision 021). A pass sleeps until the next tick comes due, at
@@ -260,7 +260,7 @@ class History(LeaderService):
             return history.maintain(conn, self._schema, retention=self._retention)
 
 
-class Admission:
+class KeyAdmission:
     """As leader, admit waiting keyed jobs: the keys notifications name at once (new
     keys, keys a completion could not admit itself: decision 017), rate-limited keys when
     their window makes room, every key with waiting jobs on taking over and after the

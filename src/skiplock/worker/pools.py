@@ -28,7 +28,7 @@ MAINTENANCE_POOL_SIZE = 7
 # and grows again when asked. psycopg_pool doubles the wait between tries without a cap
 # until then (five minutes by default), so a worker let back in after a minute's outage
 # would wait half a minute more for its next try; ended sooner, the tries stay a few
-# seconds apart (tests/test_reconnect.py).
+# seconds apart.
 POOL_RECONNECT_SECONDS = 10.0
 
 

@@ -77,8 +77,8 @@ class Supervisor:
         be lost (CPython gh-86296: ``asyncio.wait_for`` returns the result instead of
         raising when the cancel and the result arrive in the same loop step), and
         psycopg_pool waits for a free connection that way. A service cancelled just as the
-        pool handed it a connection then runs on, and a stop that cancelled once waited
-        for ever (issue 10, item 22: the graceful-stop test that hung)."""
+        pool handed it a connection then runs on, and a stop that cancelled once would wait
+        for ever."""
         chosen = list(self._tasks) if names is None else list(names)
         tasks = {task for name in chosen if (task := self._tasks.pop(name, None)) is not None}
         self._stopping.update(chosen)
