@@ -1,6 +1,6 @@
 """How long a worker cut off from its database takes to work again once the link returns.
 
-Needs root (skiplock.topology builds the hosts). One worker host, one server; the host's
+Needs root (skiplock.bench.topology builds the hosts). One worker host, one server; the host's
 link is cut for OUTAGE seconds (default 30), restored, and ten jobs enqueued: the figure
 is the time from the restore to their completion (docs/cluster.md, "When the link
 returns").
@@ -20,7 +20,7 @@ from pathlib import Path
 import psycopg
 
 import skiplock
-from skiplock.topology import Topology, remove_leftovers, unavailable
+from skiplock.bench.topology import Topology, remove_leftovers, unavailable
 
 SCHEMA = "skiplock_bench"
 JOBS = 10

@@ -1,4 +1,4 @@
-"""skiplock.topology's decisions that need no root: where the server binaries come from,
+"""skiplock.bench.topology's decisions that need no root: where the server binaries come from,
 what makes a machine unable to build hosts, and the URLs that name several servers. The
 topologies themselves are built by tests/cluster and tests/failover (root only)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from skiplock import topology
+from skiplock.bench import topology
 
 
 def test_the_binaries_named_in_the_environment_win(

@@ -1,5 +1,5 @@
-"""Fixtures for the cluster tests: hosts as network namespaces (skiplock.topology), a server of
-the module's own, worker fleets per test, and the figures they measure.
+"""Fixtures for the cluster tests: hosts as network namespaces (skiplock.bench.topology), a
+server of the module's own, worker fleets per test, and the figures they measure.
 
 The size is ``SKIPLOCK_CLUSTER_JOBS`` (default 1,500 jobs per scenario) and the outage
 ``SKIPLOCK_CLUSTER_OUTAGE`` seconds (default 8: past the server's dead-peer detection and
@@ -22,7 +22,7 @@ import pytest
 import skiplock
 from chaos.conftest import SCHEMA, ChaosDatabase
 from figures import FigureLog
-from skiplock.topology import Topology, remove_leftovers, unavailable
+from skiplock.bench.topology import Topology, remove_leftovers, unavailable
 
 from .harness import HostFleet
 

@@ -1,6 +1,6 @@
-"""Worker fleets on the hosts of a ``skiplock.topology.Topology``: network namespaces on a
-private bridge, a PostgreSQL of the run's own in one of them (skiplock/topology.py
-describes the layout), skiplock workers in the others.
+"""Worker fleets on the hosts of a ``skiplock.bench.topology.Topology``: network namespaces
+on a private bridge, a PostgreSQL of the run's own in one of them
+(skiplock/bench/topology.py describes the layout), skiplock workers in the others.
 
 The test itself reaches the server through its Unix-domain socket; workers reach it over
 TCP, across the bridge.
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from chaos.conftest import ROOT, SCHEMA, Fleet, WorkerProcess
-from skiplock.topology import Topology, worker_hosts
+from skiplock.bench.topology import Topology, worker_hosts
 
 HOSTS = tuple(worker_hosts(3))
 WORKER_APP = "tests.chaos.chaos_app:app"

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from skiplock.bench.hosts import FAILOVER_FIGURES, HOST_COUNTS
-from skiplock.topology import unavailable
+from skiplock.bench.topology import unavailable
 
 from .conftest import record_figures
 

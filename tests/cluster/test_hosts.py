@@ -38,7 +38,7 @@ from chaos.test_chaos import (
     percentile,
     running_sync_pids,
 )
-from skiplock.topology import run
+from skiplock.bench.topology import run
 
 from .conftest import JOBS, OUTAGE, record_figures
 from .harness import HOSTS, HostFleet

@@ -1,5 +1,5 @@
 """Fixtures for the failover tests: a primary and its streaming standby on hosts of a
-``skiplock.topology.Topology``, with two worker hosts, built afresh for each test (a
+``skiplock.bench.topology.Topology``, with two worker hosts, built afresh for each test (a
 failover uses them up).
 
 The size is ``SKIPLOCK_FAILOVER_JOBS`` (default 1,000 jobs per scenario, the CI size;
@@ -23,7 +23,7 @@ import skiplock
 from chaos.conftest import SCHEMA, ChaosDatabase
 from cluster.harness import HostFleet
 from figures import FigureLog
-from skiplock.topology import Topology, remove_leftovers, unavailable
+from skiplock.bench.topology import Topology, remove_leftovers, unavailable
 
 JOBS = int(os.environ.get("SKIPLOCK_FAILOVER_JOBS", "1000"))
 WORKER_HOSTS = ("h1", "h2")

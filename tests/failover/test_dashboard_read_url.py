@@ -20,10 +20,10 @@ from starlette.testclient import TestClient
 from chaos.conftest import SCHEMA, wait_until
 from conftest import JobFactory
 from skiplock import client
+from skiplock.bench.topology import Topology
 from skiplock.cli import main
 from skiplock.dashboard import create_app, security
 from skiplock.dashboard.web import REPLICA_AFTER_CHANGE
-from skiplock.topology import Topology
 
 REPLICA = re.compile(r'<p class="replica standby" id="replica" role="status">([^<]*)</p>')
 ANY_REPLICA = re.compile(r'<p class="replica[^"]*" id="replica" role="status">([^<]*)</p>')

@@ -37,7 +37,7 @@ import pytest
 from chaos.conftest import ROOT, SCHEMA, ChaosDatabase, utcnow, wait_until
 from chaos.test_chaos import LOST_CLAIM, drain, explain_lost_claims, judge
 from cluster.harness import HostFleet
-from skiplock.topology import STANDBY, Topology
+from skiplock.bench.topology import STANDBY, Topology
 
 from .conftest import JOBS, WORKER_HOSTS, record_figures
 

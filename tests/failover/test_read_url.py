@@ -12,9 +12,9 @@ import pytest
 from chaos.chaos_app import app as chaos_app
 from chaos.chaos_app import work_async
 from chaos.conftest import SCHEMA, wait_until
+from skiplock.bench.topology import Topology
 from skiplock.cli import main
 from skiplock.replica import READ_URL_ENV, ReplicaState
-from skiplock.topology import Topology
 
 
 def test_the_lag_is_said_in_seconds_or_as_unknown() -> None:

@@ -35,11 +35,11 @@ from psycopg import sql
 
 from skiplock.app import App
 from skiplock.bench.pgbench import pgbench_path, run_pgbench
+from skiplock.bench.topology import Network, postgres_bin
 from skiplock.completer import Outcome, outcome_writes
 from skiplock.config import DATABASE_URL_ENV, SCHEMA_ENV, done_channel, resolve_database_url
 from skiplock.cursor import ClaimCursor
 from skiplock.sql import claim, complete, render
-from skiplock.topology import Network, postgres_bin
 
 BENCH_SCHEMA = "skiplock_bench"
 # Scenarios on servers the bench builds itself, on hosts of its own (bench/hosts.py).
@@ -166,7 +166,7 @@ def feature_jobs(conn: psycopg.Connection[Any], schema: str, feature: str, count
 
 @dataclass(frozen=True)
 class Placement:
-    """Bench workers on hosts of a topology (skiplock.topology): ``processes`` on each of
+    """Bench workers on hosts of a topology (skiplock.bench.topology): ``processes`` on each of
     ``hosts``, reaching the server at ``url`` across the topology's bridge."""
 
     network: Network

@@ -1,4 +1,4 @@
-"""The bench scenarios that build their own hosts (skiplock.topology; root only):
+"""The bench scenarios that build their own hosts (skiplock.bench.topology; root only):
 
 - ``hosts``: the drain rate of no-op jobs with workers on 1, 2 and 3 hosts (``--processes``
   each) against one server, every hop across the topology's bridge. On one machine the
@@ -39,8 +39,8 @@ from skiplock.bench import (
     pause,
     worker_processes,
 )
+from skiplock.bench.topology import STANDBY, Topology, poll_until, remove_leftovers, unavailable
 from skiplock.errors import ConfigurationError
-from skiplock.topology import STANDBY, Topology, poll_until, remove_leftovers, unavailable
 
 HOST_COUNTS = (1, 2, 3)
 # The failover's workers: a completion the standby never received (asynchronous

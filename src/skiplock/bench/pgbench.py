@@ -19,7 +19,7 @@ from pathlib import Path
 
 from psycopg.conninfo import conninfo_to_dict
 
-from skiplock.topology import postgres_bin
+from skiplock.bench.topology import postgres_bin
 
 SERVICE = "skiplock_bench"
 
