@@ -1,6 +1,6 @@
-"""The clients of ``bench --scenarios enqueue-concurrent`` (skiplock/bench/commit.py) write
-what the figures claim: one order row and one job per committed transaction, through each
-insert path, and the reference schema's jobs table has no insert trigger left enabled.
+"""The clients of ``bench --scenarios enqueue-concurrent`` (skiplock/bench/enqueue_concurrent.py)
+write what the figures claim: one order row and one job per committed transaction, through
+each insert path, and the reference schema's jobs table has no insert trigger left enabled.
 
 Counts only: how fast they commit is the bench's business. The smoke test runs the
 scenario itself; this covers what it does not, the Python clients standing in for pgbench
@@ -15,15 +15,15 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from skiplock.bench.commit import (
+from skiplock.bench.enqueue_concurrent import (
     COMMIT_PATHS,
     NO_TRIGGER_SCHEMA,
     PATH_SQL,
     PGBENCH_SCRIPT,
     ClientPool,
     commit_schemas,
-    percentile,
 )
+from skiplock.bench.measure import percentile
 from skiplock.bench.pgbench import pgbench_path, run_pgbench
 
 

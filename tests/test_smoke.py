@@ -29,10 +29,11 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from skiplock.bench import OWN_SERVERS
-from skiplock.bench.commit import COMMIT_PATHS, wakeup_paths
+from skiplock.bench import dashboard as dashboard_bench
+from skiplock.bench.enqueue_concurrent import COMMIT_PATHS
 from skiplock.bench.pgbench import pgbench_path
+from skiplock.bench.wakeup import wakeup_paths
 from skiplock.cli import SCENARIOS
-from skiplock.dashboard import bench as dashboard_bench
 
 PASSWORD = "secret-7f3a"
 

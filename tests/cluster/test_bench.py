@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from skiplock.bench.hosts import FAILOVER_FIGURES, HOST_COUNTS
+from skiplock.bench.failover import FAILOVER_FIGURES
+from skiplock.bench.hosts import HOST_COUNTS
 from skiplock.bench.topology import unavailable
 
 from .conftest import record_figures

@@ -119,6 +119,21 @@ def postgres_bin() -> Path | None:
     return None
 
 
+def postgres_version() -> str:
+    """The version of the server binaries (``postgres -V``), or "?"."""
+    binaries = postgres_bin()
+    if binaries is None:
+        return "?"
+    try:
+        done = subprocess.run(
+            [str(binaries / "postgres"), "-V"], capture_output=True, text=True, check=False
+        )
+    except OSError:
+        return "?"  # unavailable() says what is missing
+    found = re.search(r"\d+(?:\.\d+)+", done.stdout)
+    return found.group(0) if done.returncode == 0 and found else "?"
+
+
 def unavailable(*, standby: bool = False) -> str | None:
     """Why this machine cannot build a topology, or None when it can."""
     if os.geteuid() != 0:

@@ -6,8 +6,8 @@ over the last seven days in daily partitions, as a week's retention leaves it, i
 queues and twenty tasks, a few with errors; live jobs mostly ready, some scheduled,
 retryable, running and dead. Each page is then fetched in-process through the ASGI app
 (query, template and response, no network): a run's figure is the median of several
-renders, in milliseconds. Run it with ``skiplock bench --scenarios dashboard`` or
-``python -m skiplock.dashboard.bench``.
+renders, in milliseconds. Run it with ``skiplock bench --scenarios dashboard`` (``--jobs``
+live jobs, ``--history-rows``) or ``python -m skiplock.bench.dashboard``.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import argparse
 import statistics
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from skiplock.app import App
+from skiplock.bench.load import fresh_schema
+from skiplock.bench.measure import Figure, Report, Settings
 from skiplock.config import resolve_database_url
 
 SCHEMA = "skiplock_bench_dashboard"
@@ -79,20 +79,6 @@ FROM generate_series(1, %(rows)s) AS g,
                           WHEN g %% 100 < 10 THEN 'scheduled'
                           ELSE 'available' END AS state) AS s
 """
-
-
-@contextmanager
-def _scratch(url: str) -> Iterator[App]:
-    app = App(url, schema=SCHEMA)
-    drop = sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(SCHEMA))
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(drop)
-    app.migrate()
-    try:
-        yield app
-    finally:
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute(drop)
 
 
 def fill(url: str, *, history_rows: int, live_jobs: int) -> None:
@@ -160,7 +146,7 @@ def page_timings(
     from skiplock.dashboard.web import create_app  # noqa: PLC0415
 
     url = resolve_database_url(database_url, fallback_embedded=True)
-    with _scratch(url):
+    with fresh_schema(url, SCHEMA):
         fill(url, history_rows=history_rows, live_jobs=live_jobs)
         with TestClient(create_app(url, SCHEMA), base_url="http://localhost") as web:
             for name, path in pages(history_rows, live_jobs):
@@ -176,6 +162,13 @@ def page_timings(
                         times.append((time.perf_counter() - started) * 1000)
                     medians.append(statistics.median(times))
                 yield name, medians
+
+
+def scenario(name: str, settings: Settings, report: Report) -> None:
+    s = settings
+    timings = page_timings(s.url, history_rows=s.history_rows, live_jobs=s.jobs, runs=s.runs)
+    for page, times in timings:
+        report.figure(Figure(f"dashboard {page}", "ms", times))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,31 +1,21 @@
-"""The application's side of an enqueue (issue 21): what a job's insert costs the
-transaction it is part of, and how soon a worker starts the job once it commits.
-
-- ``enqueue-concurrent``: a business transaction (one order row, one job) committed by 8,
-  32 and 64 clients, through ``Task.enqueue`` and through a plain SQL ``INSERT``, against
-  the same transaction into a second skiplock schema whose jobs table has no insert
-  trigger. Measured and reference runs alternate; first with no worker running, then
-  with one idle worker process on each schema (it drains what is enqueued, and once
-  notifications go only to waiting workers, that is when an insert still sends one).
-- ``wakeup``: an idle worker's start after the commit, for each insert path.
-- ``late-commit``: a busy worker, and a job whose transaction began before jobs the worker
-  has since claimed: its commit-to-start latency, at the stream's priority and ahead of it.
+"""The ``enqueue-concurrent`` scenario: what a job's insert costs the business transaction
+it is part of. One order row and one job, committed by 8, 32 and 64 clients, through
+``Task.enqueue`` and through a plain SQL ``INSERT``, against the same transaction into a
+second skiplock schema whose jobs table has no insert trigger; measured and reference
+runs alternate. First with no worker running, then with one idle worker process on each
+schema (it drains what is enqueued: that is when an insert still sends a wake-up).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import math
 import multiprocessing
 import queue
 import random
-import statistics
 import sys
 import threading
 import time
 import traceback
-from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,25 +24,16 @@ import psycopg
 from psycopg import sql
 
 from skiplock.app import App
-from skiplock.bench import (
-    BENCH_SCHEMA,
-    Figure,
-    _set_insert_triggers,
-    _wait_drained,
-    fresh_schema,
-    noop,
-    pause,
-    probe,
-    worker_processes,
-)
+from skiplock.bench.load import fresh_schema, wait_drained
+from skiplock.bench.measure import Figure, Report, Settings
 from skiplock.bench.pgbench import pgbench_path, run_pgbench
+from skiplock.bench.tasks import BENCH_SCHEMA, noop
+from skiplock.bench.workers import WORKER_SLOTS, worker_processes
 
 COMMIT_CLIENTS = (8, 32, 64)
 # Python clients: threads spread over this many processes (spawned), as web servers run.
 CLIENT_PROCESSES = 4
 NO_TRIGGER_SCHEMA = "skiplock_bench_notrigger"
-# The worker's default slots: the idle worker of the wake-up and commit scenarios.
-WORKER_SLOTS = 10
 PATH_ENQUEUE = "Task.enqueue"
 PATH_SQL = "SQL INSERT"
 COMMIT_PATHS = (PATH_ENQUEUE, PATH_SQL)
@@ -86,16 +67,6 @@ def _jobs(schema: str) -> sql.Identifier:
 
 def _render(template: str, schema: str) -> sql.Composed:
     return sql.SQL(template).format(orders=_orders(schema), jobs=_jobs(schema))
-
-
-def percentile(values: Sequence[float], share: float) -> float:
-    """The median for 0.5, else the nearest rank: the smallest value at or above
-    ``share`` of them (as the latency scenario has always reported them)."""
-    if share == 0.5:
-        return statistics.median(values)
-    ordered = sorted(values)
-    rank = max(1, math.ceil(len(ordered) * share - 1e-9))  # 200 * 0.99 is rank 198
-    return ordered[rank - 1]
 
 
 # --- Python clients ------------------------------------------------------------------
@@ -276,7 +247,7 @@ class ClientPool:
         return total / seconds
 
 
-# --- enqueue-concurrent --------------------------------------------------------------
+# --- the scenario --------------------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -290,15 +261,31 @@ def commit_schemas(url: str) -> Iterator[tuple[str, str]]:
     ):
         for schema in (BENCH_SCHEMA, NO_TRIGGER_SCHEMA):
             conn.execute(_render(ORDERS_TABLE, schema))
-        _set_insert_triggers(conn, NO_TRIGGER_SCHEMA, enabled=False)
+        set_insert_triggers(conn, NO_TRIGGER_SCHEMA, enabled=False)
         yield BENCH_SCHEMA, NO_TRIGGER_SCHEMA
+
+
+def set_insert_triggers(conn: psycopg.Connection[Any], schema: str, enabled: bool) -> None:
+    """Enable or disable the jobs table's insert triggers (the wake-up notification)."""
+    names = conn.execute(
+        "SELECT tgname FROM pg_trigger WHERE tgrelid = %s::regclass "
+        "AND NOT tgisinternal AND tgtype & 4 <> 0",  # TRIGGER_TYPE_INSERT
+        (f"{schema}.jobs",),
+    ).fetchall()
+    action = sql.SQL("ENABLE" if enabled else "DISABLE")
+    for (name,) in names:
+        conn.execute(
+            sql.SQL("ALTER TABLE {} {} TRIGGER {}").format(
+                sql.Identifier(schema, "jobs"), action, sql.Identifier(name)
+            )
+        )
 
 
 def _between_runs(conn: psycopg.Connection[Any], schema: str, worker: bool) -> None:
     """Every run starts from the same tables: emptied with no worker; drained, and its
     dead rows vacuumed, with one."""
     if worker:
-        _wait_drained(conn, schema, timeout=600)
+        wait_drained(conn, schema, timeout=600)
         conn.execute(sql.SQL("TRUNCATE {}").format(_orders(schema)))
         conn.execute(sql.SQL("VACUUM {}").format(_jobs(schema)))
     else:
@@ -441,252 +428,6 @@ def _commit_pair(
     return [measured, reference]
 
 
-# --- wake-up latency -----------------------------------------------------------------
-
-WAKEUP_SAMPLES = 200
-WAKEUP_GAP = 0.02
-BATCH = 100
-
-
-def _sqlalchemy() -> Any | None:
-    """skiplock.contrib.sqlalchemy when SQLAlchemy is installed, else None. Loaded by
-    name: the integration sits above the bench in the import layers, and is measured
-    here exactly as an application calls it."""
-    try:
-        return importlib.import_module("skiplock.contrib.sqlalchemy")
-    except ImportError:
-        return None
-
-
-def wakeup_paths() -> tuple[str, ...]:
-    paths = (PATH_ENQUEUE, "enqueue_many, 1 job", f"enqueue_many, {BATCH} jobs", PATH_SQL)
-    return (*paths, "SQLAlchemy enqueue") if _sqlalchemy() is not None else paths
-
-
-class _Sampler:
-    """Enqueues one sample through each insert path and notes its commit time."""
-
-    def __init__(self, url: str, bench_app: App, conn: psycopg.Connection[Any]) -> None:
-        self.conn = conn
-        self.bench_app = bench_app
-        self.task = bench_app.task(name="bench.probe")(probe.fn)
-        self.plain = sql.SQL(
-            "INSERT INTO {} (task, args) VALUES ('bench.probe', '{{}}') RETURNING id"
-        ).format(_jobs(bench_app.schema))
-        self.contrib: Any = _sqlalchemy()
-        if self.contrib is not None:
-            engine = importlib.import_module("sqlalchemy").create_engine(
-                "postgresql+psycopg://", creator=lambda: psycopg.connect(url)
-            )
-            self.session_class = importlib.import_module("sqlalchemy.orm").Session
-            self.engine = engine
-
-    def close(self) -> None:
-        if self.contrib is not None:
-            self.engine.dispose()
-
-    def sample(self, path: str) -> tuple[list[int], float]:
-        conn = self.conn
-        if path == PATH_ENQUEUE:
-            ids = [int(self.task.enqueue(conn))]
-        elif path == "enqueue_many, 1 job":
-            ids = self.bench_app.enqueue_many(conn, [self.task.job()])
-        elif path == f"enqueue_many, {BATCH} jobs":
-            ids = self.bench_app.enqueue_many(conn, [self.task.job() for _ in range(BATCH)])
-        elif path == PATH_SQL:
-            row = conn.execute(self.plain).fetchone()
-            assert row is not None
-            ids = [int(row[0])]
-        else:
-            with self.session_class(self.engine) as session:
-                ids = [int(self.contrib.enqueue(session, self.task))]
-                session.commit()
-                return ids, time.time()
-        conn.commit()
-        return ids, time.time()
-
-
-def wakeup_once(
-    url: str, schema: str, paths: Sequence[str], samples: int, gap: float
-) -> dict[str, list[float]]:
-    """Milliseconds from each sample's commit to its handler's start (the first start, for
-    a batch), ``samples`` per path, the paths taken in turn so drift hits all alike; one
-    worker process idle on the queue, ``gap`` seconds between samples."""
-    with (
-        fresh_schema(url, schema) as bench_app,
-        worker_processes(url, schema, 1, WORKER_SLOTS),
-        psycopg.connect(url) as conn,
-        psycopg.connect(url, autocommit=True) as watch,
-    ):
-        sampler = _Sampler(url, bench_app, conn)
-        taken: list[tuple[str, list[int], float]] = []
-        try:
-            for _ in range(samples):
-                for path in paths:
-                    ids, committed = sampler.sample(path)
-                    taken.append((path, ids, committed))
-                    if len(ids) > 1:  # the next sample must find the worker idle again
-                        _wait_drained(watch, schema, timeout=60)
-                    time.sleep(gap)
-        finally:
-            sampler.close()
-        _wait_drained(watch, schema, timeout=60)
-        started: dict[int, float] = dict(
-            watch.execute(
-                sql.SQL("SELECT id, result::float8 FROM {}").format(
-                    sql.Identifier(schema, "job_history")
-                )
-            ).fetchall()
-        )
-    waits: dict[str, list[float]] = {path: [] for path in paths}
-    for path, ids, committed in taken:
-        waits[path].append((min(started[i] for i in ids) - committed) * 1000)
-    return waits
-
-
-def wakeup(
-    url: str,
-    schema: str,
-    runs: int,
-    paths: Sequence[str] | None = None,
-    samples: int = WAKEUP_SAMPLES,
-    gap: float = WAKEUP_GAP,
-    name: Callable[[str, str], str] = lambda path, pct: f"wake-up {path} {pct}",
-) -> list[Figure]:
-    """p50, p95 and p99 of the idle wake-up per insert path, each a median of ``runs``."""
-    chosen = tuple(paths or wakeup_paths())
-    figures = {
-        (path, pct): Figure(name(path, pct), "ms", extra={"samples": samples})
-        for path in chosen
-        for pct in ("p50", "p95", "p99")
-    }
-    for _ in range(runs):
-        for path, waits in wakeup_once(url, schema, chosen, samples, gap).items():
-            for pct, share in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
-                figures[path, pct].runs.append(percentile(waits, share))
-    return list(figures.values())
-
-
-# --- late-commit ---------------------------------------------------------------------
-
-LATE_HOLD = 0.1  # the late transaction stays open this long after its insert
-LATE_GAP = 0.05
-LATE_MIN_SAMPLES = 5
-# The stream keeps the worker's slots this busy on average, whatever its rate.
-STREAM_LOAD = 0.8
-STREAM_TICK = 0.01
-
-
-def stream_job_ms(rate: int) -> int:
-    return max(1, round(STREAM_LOAD * WORKER_SLOTS * 1000 / rate))
-
-
-def _feed(url: str, bench_app: App, rate: int, stop: threading.Event) -> None:
-    """``rate`` pause jobs per second, a transaction every STREAM_TICK."""
-    task = bench_app.task(name="bench.pause")(pause.fn)
-    ms = stream_job_ms(rate)
-    carry = 0.0
-    next_at = time.monotonic()
-    with psycopg.connect(url) as conn:
-        while not stop.is_set():
-            carry += rate * STREAM_TICK
-            count = int(carry)
-            carry -= count
-            if count:
-                bench_app.enqueue_many(conn, [task.job(ms=ms) for _ in range(count)])
-                conn.commit()
-            next_at += STREAM_TICK
-            time.sleep(max(0.0, next_at - time.monotonic()))
-
-
-def _late_jobs(conn: psycopg.Connection[Any], late: Any, seconds: float) -> dict[int, float]:
-    """Open a transaction, insert one job (its place in line: the transaction's start),
-    hold it LATE_HOLD while the stream's later jobs commit and are claimed, commit;
-    repeat for ``seconds``. Each job's commit time."""
-    committed: dict[int, float] = {}
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline or len(committed) < LATE_MIN_SAMPLES:
-        job_id = int(late.enqueue(conn))
-        time.sleep(LATE_HOLD)
-        conn.commit()
-        committed[job_id] = time.time()
-        time.sleep(LATE_GAP)
-    return committed
-
-
-def late_commit_once(url: str, schema: str, rate: int, seconds: float) -> dict[str, Any]:
-    """Both variants of a late job (the stream's priority, then ahead of it) against one
-    busy worker: commit-to-start milliseconds of each, and the share of late jobs that
-    the worker had already passed, a stream job behind them in line claimed before their
-    commit (on this machine's clock: a server here)."""
-    with (
-        fresh_schema(url, schema) as bench_app,
-        worker_processes(url, schema, 1, WORKER_SLOTS),
-        psycopg.connect(url) as conn,
-        psycopg.connect(url, autocommit=True) as watch,
-    ):
-        probe_task = bench_app.task(name="bench.probe")(probe.fn)
-        variants = {"same": probe_task, "higher": probe_task.with_options(priority=-1)}
-        stop = threading.Event()
-        feeder = threading.Thread(target=_feed, args=(url, bench_app, rate, stop), daemon=True)
-        feeder.start()
-        committed: dict[str, dict[int, float]] = {}
-        try:
-            time.sleep(0.5)  # the stream under way
-            for variant, late in variants.items():
-                committed[variant] = _late_jobs(conn, late, seconds)
-        finally:
-            stop.set()
-            feeder.join()
-        _wait_drained(watch, schema, timeout=600)
-        rows = watch.execute(
-            sql.SQL(
-                "SELECT id, task, priority, extract(epoch FROM created_at)::float8, "
-                "extract(epoch FROM attempted_at)::float8, result FROM {}"
-            ).format(sql.Identifier(schema, "job_history"))
-        ).fetchall()
-    stream = sorted((r[2], r[3], r[0], r[4]) for r in rows if r[1] == "bench.pause")
-    positions = [(p, at, i) for p, at, i, _ in stream]
-    # The earliest claim among the stream jobs from each position on.
-    earliest = [float("inf")] * (len(stream) + 1)
-    for index in range(len(stream) - 1, -1, -1):
-        earliest[index] = min(stream[index][3], earliest[index + 1])
-    late_rows = {r[0]: r for r in rows if r[1] == "bench.probe"}
-    found: dict[str, Any] = {}
-    for variant, commits in committed.items():
-        waits, passed = [], 0
-        for job_id, at in commits.items():
-            row = late_rows[job_id]
-            waits.append((float(row[5]) - at) * 1000)
-            behind = bisect_right(positions, (row[2], row[3], job_id))
-            passed += earliest[behind] < at
-        found[variant] = {"waits": waits, "passed": passed / len(commits)}
-    return found
-
-
-def late_commit(url: str, schema: str, rate: int, seconds: float, runs: int) -> list[Figure]:
-    """p50 and p99 of the late jobs' commit-to-start latency, at the stream's priority and
-    at a higher one, each a median of ``runs``."""
-    labels = {"same": "late-commit", "higher": "late-commit, higher priority"}
-    figures = {
-        (variant, pct): Figure(f"{label} {pct}", "ms")
-        for variant, label in labels.items()
-        for pct in ("p50", "p99")
-    }
-    samples: dict[str, list[int]] = {variant: [] for variant in labels}
-    passed: dict[str, list[float]] = {variant: [] for variant in labels}
-    for _ in range(runs):
-        for variant, found in late_commit_once(url, schema, rate, seconds).items():
-            figures[variant, "p50"].runs.append(percentile(found["waits"], 0.5))
-            figures[variant, "p99"].runs.append(percentile(found["waits"], 0.99))
-            samples[variant].append(len(found["waits"]))
-            passed[variant].append(found["passed"])
-    stream = f"{rate} jobs/s of {stream_job_ms(rate)} ms, 1 worker x {WORKER_SLOTS}"
-    for (variant, _), figure in figures.items():
-        figure.extra.update(
-            samples=sum(samples[variant]),
-            passed=round(statistics.median(passed[variant]), 2),
-            hold_ms=round(LATE_HOLD * 1000),
-            stream=stream,
-        )
-    return list(figures.values())
+def scenario(name: str, settings: Settings, report: Report) -> None:
+    s = settings
+    report.figure(*enqueue_concurrent(s.url, s.enqueue_seconds, s.runs, s.clients))
