@@ -4,11 +4,14 @@ it does not know before it connects anywhere. No database: the smoke test runs t
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import inspect
 
 import pytest
 
 from skiplock import bench
+from skiplock.bench.measure import Settings
 from skiplock.cli import SCENARIOS
 
 
@@ -35,3 +38,13 @@ def test_an_unknown_scenario_is_refused_before_anything_runs() -> None:
             history_rows=1,
             as_json=True,
         )
+
+
+def test_every_option_of_run_reaches_the_scenarios_under_its_own_name() -> None:
+    # run() builds Settings from its options by position: the two must list them alike.
+    given = [
+        name
+        for name in inspect.signature(bench.run).parameters
+        if name not in ("scenarios", "database_url", "as_json", "worker_args")
+    ]
+    assert [field.name for field in dataclasses.fields(Settings)] == ["url", "schema", *given]

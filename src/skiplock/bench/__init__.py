@@ -110,21 +110,11 @@ def run(
             f"median of {runs} runs",
             flush=True,
         )
+    # Settings' fields are this function's options in its order (tests/test_bench_registry.py).
     settings = Settings(
-        url=url,
-        schema=BENCH_SCHEMA,
-        jobs=jobs,
-        processes=processes,
-        concurrency=concurrency,
-        runs=runs,
-        history_rows=history_rows,
-        rate=rate,
-        phase_seconds=phase_seconds,
-        enqueue_seconds=enqueue_seconds,
-        clients=clients,
-        samples=samples,
-        promote_after=promote_after,
-    )
+        url, BENCH_SCHEMA, jobs, processes, concurrency, runs, history_rows, rate,
+        phase_seconds, enqueue_seconds, clients, samples, promote_after,
+    )  # fmt: skip
     report = Report(as_json)
     for name in scenarios:
         module = importlib.import_module(f"skiplock.bench.{SCENARIOS[name]}")

@@ -15,7 +15,7 @@ import psycopg
 from psycopg import sql
 
 from skiplock.app import App
-from skiplock.bench.load import fresh_schema, wait_drained
+from skiplock.bench.load import fresh_schema, offer, wait_drained
 from skiplock.bench.measure import Figure, Report, Settings, percentile
 from skiplock.bench.tasks import pause, probe
 from skiplock.bench.workers import WORKER_SLOTS, worker_processes
@@ -36,18 +36,8 @@ def _feed(url: str, bench_app: App, rate: int, stop: threading.Event) -> None:
     """``rate`` pause jobs per second, a transaction every STREAM_TICK."""
     task = bench_app.task(name="bench.pause")(pause.fn)
     ms = stream_job_ms(rate)
-    carry = 0.0
-    next_at = time.monotonic()
     with psycopg.connect(url) as conn:
-        while not stop.is_set():
-            carry += rate * STREAM_TICK
-            count = int(carry)
-            carry -= count
-            if count:
-                bench_app.enqueue_many(conn, [task.job(ms=ms) for _ in range(count)])
-                conn.commit()
-            next_at += STREAM_TICK
-            time.sleep(max(0.0, next_at - time.monotonic()))
+        offer(conn, bench_app, lambda: task.job(ms=ms), rate, STREAM_TICK, stop)
 
 
 def _late_jobs(conn: psycopg.Connection[Any], late: Any, seconds: float) -> dict[int, float]:

@@ -1,10 +1,12 @@
 """The jobs a scenario works on: a scratch schema of its own (migrated, dropped afterwards),
-argument-less jobs written in one statement, and the wait until none is left to run."""
+argument-less jobs written in one statement or offered as a steady stream, the wait until
+none is left to run, and when each probe job started."""
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -12,6 +14,7 @@ import psycopg
 from psycopg import sql
 
 from skiplock.app import App
+from skiplock.tasks import JobSpec
 
 
 @contextmanager
@@ -46,6 +49,35 @@ def copy_jobs(
     )
 
 
+def offer(
+    conn: psycopg.Connection[Any],
+    bench_app: App,
+    job: Callable[[], JobSpec],
+    rate: float,
+    tick: float,
+    stop: threading.Event,
+    committed: dict[int, float] | None = None,
+) -> None:
+    """Enqueue ``rate`` jobs per second made by ``job``, a transaction every ``tick``
+    seconds (the fraction of a job left over carried to the next), until ``stop`` is
+    set; with ``committed``, note there each job's commit time (``time.time()``)."""
+    carry = 0.0
+    next_at = time.monotonic()
+    while not stop.is_set():
+        carry += rate * tick
+        count = int(carry)
+        carry -= count
+        if count:
+            ids = bench_app.enqueue_many(conn, [job() for _ in range(count)])
+            conn.commit()
+            if committed is not None:
+                now = time.time()
+                for job_id in ids:
+                    committed[job_id] = now
+        next_at += tick
+        time.sleep(max(0.0, next_at - time.monotonic()))
+
+
 def wait_drained(conn: psycopg.Connection[Any], schema: str, timeout: float) -> None:
     """Wait until nothing is left to run now (the far-future jobs of the ``scheduled``
     scenario stay)."""
@@ -61,3 +93,13 @@ def wait_drained(conn: psycopg.Connection[Any], schema: str, timeout: float) -> 
         if time.monotonic() > deadline:
             raise RuntimeError(f"jobs did not drain within {timeout}s")
         time.sleep(0.02)
+
+
+def probe_starts(conn: psycopg.Connection[Any], schema: str, timeout: float) -> dict[int, float]:
+    """Once drained (``wait_drained``), when each finished probe job started, by id: the
+    ``time.time()`` its handler returned."""
+    wait_drained(conn, schema, timeout)
+    query = sql.SQL("SELECT id, result::float8 FROM {}").format(
+        sql.Identifier(schema, "job_history")
+    )
+    return dict(conn.execute(query).fetchall())

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
-from skiplock.bench.load import fresh_schema, wait_drained
+from skiplock.bench.load import fresh_schema, offer, probe_starts
 from skiplock.bench.measure import Report, Settings
 from skiplock.bench.tasks import probe
 from skiplock.bench.workers import worker_processes
@@ -85,26 +84,11 @@ def pressure_once(
         task = bench_app.task(name="bench.probe")(probe.fn)
         committed: dict[int, float] = {}
         stop = threading.Event()
-
-        def produce() -> None:
-            per_tick = max(1, round(rate * tick))
-            next_at = time.monotonic()
-            carry = 0.0
-            while not stop.is_set():
-                carry += rate * tick - per_tick
-                extra = int(carry)
-                carry -= extra
-                ids = bench_app.enqueue_many(
-                    producer, [task.job() for _ in range(per_tick + extra)]
-                )
-                producer.commit()
-                now = time.time()
-                for job_id in ids:
-                    committed[job_id] = now
-                next_at += tick
-                time.sleep(max(0.0, next_at - time.monotonic()))
-
-        thread = threading.Thread(target=produce, daemon=True)
+        thread = threading.Thread(
+            target=offer,
+            args=(producer, bench_app, task.job, rate, tick, stop, committed),
+            daemon=True,
+        )
         thread.start()
         boundaries: list[dict[str, Any]] = []
         try:
@@ -122,14 +106,7 @@ def pressure_once(
         finally:
             stop.set()
             thread.join()
-        wait_drained(stats_conn, schema, timeout=600)
-        started: dict[int, float] = dict(
-            stats_conn.execute(
-                sql.SQL("SELECT id, result::float8 FROM {}").format(
-                    sql.Identifier(schema, "job_history")
-                )
-            ).fetchall()
-        )
+        started = probe_starts(stats_conn, schema, timeout=600)
     return [_phase_figures(b, committed, started) for b in boundaries]
 
 

@@ -14,7 +14,7 @@ from psycopg import sql
 
 from skiplock.app import App
 from skiplock.bench.enqueue_concurrent import PATH_ENQUEUE, PATH_SQL
-from skiplock.bench.load import fresh_schema, wait_drained
+from skiplock.bench.load import fresh_schema, probe_starts, wait_drained
 from skiplock.bench.measure import Figure, Report, Settings, percentile
 from skiplock.bench.tasks import probe
 from skiplock.bench.workers import WORKER_SLOTS, worker_processes
@@ -106,14 +106,7 @@ def wakeup_once(
                     time.sleep(gap)
         finally:
             sampler.close()
-        wait_drained(watch, schema, timeout=60)
-        started: dict[int, float] = dict(
-            watch.execute(
-                sql.SQL("SELECT id, result::float8 FROM {}").format(
-                    sql.Identifier(schema, "job_history")
-                )
-            ).fetchall()
-        )
+        started = probe_starts(watch, schema, timeout=60)
     waits: dict[str, list[float]] = {path: [] for path in paths}
     for path, ids, committed in taken:
         waits[path].append((min(started[i] for i in ids) - committed) * 1000)
