@@ -126,6 +126,19 @@ class DemoError(SkiplockError):
     """The demo could not run to the end (the message says where it stopped)."""
 
 
+def worker_command(schema: str, target: str, *options: str) -> list[str]:
+    """The command line of a ``skiplock worker`` child process running ``target``
+    (module:attribute) in ``schema``. The database URL goes in its environment
+    (``worker_env``), never here: a command line is readable by every user of the
+    machine, and the URL may hold a password."""
+    return [sys.executable, "-m", "skiplock", "--schema", schema, "worker", target, *options]
+
+
+def worker_env(url: str, schema: str) -> dict[str, str]:
+    """This process's environment, with the database and schema for a worker child."""
+    return {**os.environ, DATABASE_URL_ENV: url, SCHEMA_ENV: schema}
+
+
 # -- the crash worker's app --------------------------------------------------------------
 
 # Imported by the worker process the demo starts (`skiplock worker skiplock.demo:crash_app`);
@@ -426,24 +439,12 @@ def _crash(url: str, schema: str) -> CrashResult:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(render(DEMO_CRASH_TABLES, schema).encode())
         [job_id] = app.enqueue_many(conn, [hold_lock.job(seconds=CRASH_HOLD_SECONDS)])
-        # The URL goes in the environment only: a command line is readable by every user
-        # of the machine, and the URL may hold a password.
-        command = [
-            sys.executable,
-            "-m",
-            "skiplock",
-            "--schema",
+        command = worker_command(
             schema,
-            "worker",
             "skiplock.demo:crash_app",
-            "--queues",
-            CRASH_QUEUE,
-            "--concurrency",
-            "1",
-            "--poll-interval",
-            "0.05",
-        ]
-        env = {**os.environ, DATABASE_URL_ENV: url, SCHEMA_ENV: schema}
+            *("--queues", CRASH_QUEUE, "--concurrency", "1", "--poll-interval", "0.05"),
+        )
+        env = worker_env(url, schema)
         with tempfile.TemporaryFile() as output:
             child = subprocess.Popen(
                 command, env=env, stdin=subprocess.DEVNULL, stdout=output, stderr=output

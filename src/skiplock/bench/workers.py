@@ -4,10 +4,8 @@ measures, stopped afterwards."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -19,7 +17,7 @@ import psycopg
 from psycopg import sql
 
 from skiplock.bench.topology import Network
-from skiplock.config import DATABASE_URL_ENV, SCHEMA_ENV
+from skiplock.demo import worker_command, worker_env
 
 # Extra arguments for every bench worker process (``bench --worker-args``), for A/B runs
 # of a setting; empty means the worker's defaults.
@@ -51,25 +49,15 @@ def worker_processes(
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
     """Start ``processes`` worker processes (on each host of ``placement``, if given) and
     wait until each has registered; with ``logs``, each one's output goes to a file there.
-    The URL goes in their environment: a command line is readable by every user of the
-    machine."""
-    worker_url = url if placement is None else placement.url
-    env = {**os.environ, DATABASE_URL_ENV: worker_url, SCHEMA_ENV: schema}
-    command = [
-        sys.executable,
-        "-m",
-        "skiplock",
-        "--schema",
+    The URL goes in their environment (demo.worker_env), never on a command line."""
+    env = worker_env(url if placement is None else placement.url, schema)
+    command = worker_command(
         schema,
-        "worker",
         "skiplock.bench:app",
-        "--concurrency",
-        str(concurrency),
-        "--poll-interval",
-        "0.5",
+        *("--concurrency", str(concurrency), "--poll-interval", "0.5"),
         *extra_args,
         *WORKER_ARGS,
-    ]
+    )
     commands = (
         [command] * processes
         if placement is None
