@@ -1,9 +1,10 @@
 """The ``enqueue-concurrent`` scenario: what a job's insert costs the business transaction
-it is part of. One order row and one job, committed by 8, 32 and 64 clients, through
-``Task.enqueue`` and through a plain SQL ``INSERT``, against the same transaction into a
-second skiplock schema whose jobs table has no insert trigger; measured and reference
-runs alternate. First with no worker running, then with one idle worker process on each
-schema (it drains what is enqueued: that is when an insert still sends a wake-up).
+it is part of. One order row and one job, committed by each of ``--clients`` numbers of
+clients (8, 32 and 64 by default), through ``Task.enqueue`` and through a plain SQL
+``INSERT``, against the same transaction into a second skiplock schema whose jobs table
+has no insert trigger; measured and reference runs alternate. First with no worker
+running, then with one idle worker process on each schema (it drains what is enqueued:
+that is when an insert still sends a wake-up).
 """
 
 from __future__ import annotations
