@@ -5,7 +5,6 @@ one, and in each run the drain they bound, with its share of each."""
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import multiprocessing
 import queue
@@ -27,16 +26,15 @@ from skiplock.completer import Outcome, outcome_writes
 from skiplock.config import done_channel
 from skiplock.cursor import ClaimCursor
 from skiplock.sql import claim, complete, render
+from skiplock.worker import WorkerOptions
 
 
 def worker_claim_batch(concurrency: int) -> int:
-    """The most a worker with ``concurrency`` slots claims at once: ``Worker``'s batch_max
-    (read from its signature, so the two cannot drift apart), since by default it claims
-    short jobs ahead of its free slots up to that (decision 018); with fewer slots and no
-    claim-ahead (--prefetch 0) it would be its free slots."""
-    from skiplock.worker import Worker  # noqa: PLC0415 - the worker processes import it anyway
-
-    batch_max = int(inspect.signature(Worker).parameters["batch_max"].default)
+    """The most a worker with ``concurrency`` slots claims at once: the default batch_max
+    of WorkerOptions (read from there, so the two cannot drift apart), since by default
+    it claims short jobs ahead of its free slots up to that (decision 018); with fewer
+    slots and no claim-ahead (--prefetch 0) it would be its free slots."""
+    batch_max = WorkerOptions().batch_max
     pairs = list(itertools.pairwise(WORKER_ARGS))
     if ("--prefetch", "0") in pairs or "--prefetch=0" in WORKER_ARGS:
         return max(1, min(concurrency, batch_max))
