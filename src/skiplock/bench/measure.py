@@ -139,7 +139,9 @@ def _proc_cpu_seconds(pid: int) -> float | None:
 class CpuMeter:
     """CPU used from now until ``per_job`` by some client processes and by the backends
     whose application_name matches ``backends`` (a LIKE pattern). Backends are read from
-    /proc, so only for a server on this machine; new backends count from zero."""
+    /proc, so only for a server on this machine (``conn``'s own backend is there); new
+    backends count from zero, and one that exits meanwhile is left out rather than
+    voiding the measure."""
 
     def __init__(
         self, conn: psycopg.Connection[Any], clients: Sequence[int], backends: str
@@ -147,6 +149,7 @@ class CpuMeter:
         self._conn = conn
         self._clients = list(clients)
         self._pattern = backends
+        self._local = _proc_cpu_seconds(conn.info.backend_pid) is not None
         self._start_clients = self._client_seconds()
         self._start_backends = self._backend_seconds()
 
@@ -160,6 +163,8 @@ class CpuMeter:
         return total
 
     def _backend_seconds(self) -> dict[int, float] | None:
+        if not self._local:
+            return None  # the server's processes are not this machine's
         rows = self._conn.execute(
             "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
             "AND application_name LIKE %s",
@@ -168,9 +173,8 @@ class CpuMeter:
         found: dict[int, float] = {}
         for (pid,) in rows:
             seconds = _proc_cpu_seconds(pid)
-            if seconds is None:
-                return None  # not a process of this machine
-            found[pid] = seconds
+            if seconds is not None:  # else it exited since pg_stat_activity was read
+                found[pid] = seconds
         return found
 
     def per_job(self, jobs: int) -> Cpu:
