@@ -31,7 +31,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from skiplock.bench import OWN_SERVERS
 from skiplock.bench.commit import COMMIT_PATHS, wakeup_paths
 from skiplock.bench.pgbench import pgbench_path
-from skiplock.cli import SCENARIOS
+from skiplock.cli.bench import SCENARIOS
 from skiplock.dashboard import bench as dashboard_bench
 
 PASSWORD = "secret-7f3a"

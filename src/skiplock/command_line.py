@@ -12,9 +12,6 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
-from typing import NoReturn
-
-from skiplock.errors import ConfigurationError
 
 BIGINT_MAX = 2**63 - 1  # ids, limits and counts PostgreSQL stores as bigint
 INTEGER_MAX = 2**31 - 1  # what an integer column holds (a worker's concurrency)
@@ -97,19 +94,3 @@ def prefetch_setting(text: str) -> int | None:
         raise argparse.ArgumentTypeError(
             f"must be 'auto' or {PREFETCH.expected}, got {text!r}"
         ) from None
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line, ``skiplock: --limit must be ...``,
-    raised as UsageError for the command to print and exit 2 (argparse prints its usage
-    and exits itself)."""
-
-    def error(self, message: str) -> NoReturn:
-        option, separator, rest = message.partition(": ")
-        if option.startswith("argument ") and separator:  # "argument --limit: must be ..."
-            message = f"{option.removeprefix('argument ')} {rest}"
-        raise UsageError(f"{message} (see `{self.prog} --help`)")
-
-
-class UsageError(ConfigurationError):
-    """A command line that cannot run, said in one line."""

@@ -1,9 +1,8 @@
 """``skiplock dashboard``: serve the dashboard with uvicorn.
 
-Registered by skiplock.cli, which resolves --database-url, --database-url-env and --schema
-as for every command and parses the global --read-url (left for this command to use: the
-pages read there, the actions still go to --database-url); this module only adds the
-dashboard's own options.
+The CLI resolves --database-url, --database-url-env and --schema as for every command and
+parses the global --read-url (left for this command to use: the pages read there, the
+actions still go to --database-url); this module only adds the dashboard's own options.
 """
 
 from __future__ import annotations
