@@ -1,5 +1,6 @@
 """``--processes N``: N single-process workers under one supervisor, for CPU-bound sync
-handlers. ``skiplock worker`` and ``manage.py skiplock_worker`` both run this loop.
+handlers. ``skiplock worker`` and ``manage.py skiplock_worker`` both run this loop
+(``run_fleet``), each giving the command line that starts one of its worker processes.
 
 The supervisor restarts a worker process that dies and forwards a stop signal to every
 one. A signal handler only records the signal; the loop does everything else, so the
@@ -10,12 +11,17 @@ and no dead worker is replaced once a stop was asked.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from skiplock import pooler
+from skiplock.errors import ConfigurationError
 
 log = logging.getLogger("skiplock.worker")
 
@@ -36,6 +42,40 @@ class _Child:
     process: subprocess.Popen[bytes]
     told: int = 0  # how many of the stop signals received it was sent
     restart_at: float | None = None  # once it died: when to start its replacement
+
+
+def run_fleet(program: Sequence[str], given: Mapping[str, Any], env: dict[str, str]) -> int:
+    """Run ``given["processes"]`` worker processes, each ``program`` followed by the worker
+    options of ``given`` (a parsed command line) as they were given. A URL, which may hold
+    a password, reaches them through ``env``, their environment, never their command
+    line (which every user of the machine can read)."""
+    if given.get("metrics_port"):
+        raise ConfigurationError(
+            "--metrics-port serves one process; with --processes run the workers "
+            "separately, each with its own port"
+        )
+    command = [*program, *_worker_arguments(given, env)]
+    return run_processes(command, given["processes"], env=env)
+
+
+def _worker_arguments(given: Mapping[str, Any], env: dict[str, str]) -> list[str]:
+    prefetch = given["prefetch"]
+    argv = [
+        *("--concurrency", str(given["concurrency"])),
+        *("--prefetch", "auto" if prefetch is None else str(prefetch)),
+        *("--lease", _exactly(given["lease"])),
+        *("--shutdown-timeout", _exactly(given["shutdown_timeout"])),
+        *("--history-retention-days", _exactly(given["history_retention_days"])),
+        *("--tcp-user-timeout", _exactly(given["tcp_user_timeout"])),
+    ]
+    if given["no_liveness_lock"]:
+        argv.append("--no-liveness-lock")
+    return argv + pooler.child_arguments(argparse.Namespace(**given), env)
+
+
+def _exactly(value: float) -> str:
+    """The shortest text that reads back as ``value``."""
+    return repr(float(value)).removesuffix(".0")
 
 
 def run_processes(
