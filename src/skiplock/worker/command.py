@@ -1,6 +1,6 @@
-"""What ``skiplock worker`` and ``manage.py skiplock_worker`` share beside the worker's own
-options: how many processes to run, where Prometheus scrapes the worker, and how a worker
-process ends.
+"""What ``skiplock worker`` and ``manage.py skiplock_worker`` share: their flags (the
+worker's options, how many processes to run, where Prometheus scrapes the worker), its
+metrics, and how a worker process ends.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from skiplock.command_line import PORT, PROCESSES
 from skiplock.errors import ConfigurationError
+from skiplock.worker import options
 
 if TYPE_CHECKING:
     from skiplock.app import App
@@ -32,7 +33,9 @@ class RunsJobs(Protocol):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--processes``, ``--metrics-port`` and ``--metrics-host`` to ``parser``."""
+    """Add the worker's options (options.py), ``--processes``, ``--metrics-port`` and
+    ``--metrics-host`` to ``parser``."""
+    options.add_arguments(parser)
     parser.add_argument(
         "--processes",
         type=PROCESSES,

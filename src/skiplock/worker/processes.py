@@ -11,7 +11,6 @@ and no dead worker is replaced once a stop was asked.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import subprocess
@@ -20,8 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from skiplock import pooler
 from skiplock.errors import ConfigurationError
+from skiplock.worker import options
 
 log = logging.getLogger("skiplock.worker")
 
@@ -54,28 +53,8 @@ def run_fleet(program: Sequence[str], given: Mapping[str, Any], env: dict[str, s
             "--metrics-port serves one process; with --processes run the workers "
             "separately, each with its own port"
         )
-    command = [*program, *_worker_arguments(given, env)]
+    command = [*program, *options.child_arguments(given, env)]
     return run_processes(command, given["processes"], env=env)
-
-
-def _worker_arguments(given: Mapping[str, Any], env: dict[str, str]) -> list[str]:
-    prefetch = given["prefetch"]
-    argv = [
-        *("--concurrency", str(given["concurrency"])),
-        *("--prefetch", "auto" if prefetch is None else str(prefetch)),
-        *("--lease", _exactly(given["lease"])),
-        *("--shutdown-timeout", _exactly(given["shutdown_timeout"])),
-        *("--history-retention-days", _exactly(given["history_retention_days"])),
-        *("--tcp-user-timeout", _exactly(given["tcp_user_timeout"])),
-    ]
-    if given["no_liveness_lock"]:
-        argv.append("--no-liveness-lock")
-    return argv + pooler.child_arguments(argparse.Namespace(**given), env)
-
-
-def _exactly(value: float) -> str:
-    """The shortest text that reads back as ``value``."""
-    return repr(float(value)).removesuffix(".0")
 
 
 def run_processes(

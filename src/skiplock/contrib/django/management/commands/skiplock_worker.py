@@ -9,21 +9,13 @@ import argparse
 import logging
 import os
 import sys
-from datetime import timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from skiplock import pooler
-from skiplock.command_line import (
-    CONCURRENCY,
-    RETENTION_DAYS,
-    TCP_USER_TIMEOUT,
-    prefetch_setting,
-    seconds,
-)
 from skiplock.errors import ConfigurationError, SkiplockError
 from skiplock.worker import command, processes
+from skiplock.worker.options import WorkerOptions
 
 
 class Command(BaseCommand):
@@ -36,45 +28,7 @@ class Command(BaseCommand):
         parser.add_argument(
             "--queues", default=None, help="comma-separated (default: the backend's QUEUES)"
         )
-        command.add_arguments(parser)  # --processes, --metrics-port, --metrics-host
-        parser.add_argument("--concurrency", type=CONCURRENCY, default=10, help="jobs at once")
-        parser.add_argument(
-            "--prefetch",
-            type=prefetch_setting,
-            default=None,
-            metavar="auto|N",
-            help="jobs to claim beyond free slots (default auto; 0 turns it off)",
-        )
-        parser.add_argument(
-            "--lease", type=seconds(above_zero=True), default=30.0, help="lease seconds"
-        )
-        parser.add_argument(
-            "--poll-interval",
-            type=seconds(above_zero=True),
-            default=None,
-            help="fallback poll seconds (default 1; 0.2 without a listener)",
-        )
-        parser.add_argument("--shutdown-timeout", type=seconds(), default=30.0)
-        parser.add_argument(
-            "--history-retention-days",
-            type=RETENTION_DAYS,
-            default=7.0,
-            help="drop finished jobs older than this (0 keeps them forever)",
-        )
-        parser.add_argument(
-            "--no-liveness-lock",
-            action="store_true",
-            help="behind a transaction-mode pooler (PgBouncer): rescue by lease expiry only",
-        )
-        parser.add_argument(
-            "--tcp-user-timeout",
-            type=TCP_USER_TIMEOUT,
-            default=30.0,
-            help="drop a connection whose peer stopped answering after about this long "
-            "(TCP keepalives and tcp_user_timeout, unless the URL sets them; 0: the "
-            "system's defaults; default 30)",
-        )
-        pooler.add_worker_arguments(parser)  # --pooler, --listen-url, --no-listen
+        command.add_arguments(parser)
 
     def handle(self, *args: Any, **options: Any) -> None:
         _configure_logging(int(options["verbosity"]))
@@ -132,21 +86,8 @@ def _run(options: dict[str, Any]) -> None:
     else:
         queues = sorted(backend.queues) or ["default"]
     app = DjangoTasksApp(backend)
-    retention = options["history_retention_days"]
-    worker = Worker(
-        app,
-        queues=queues,
-        concurrency=options["concurrency"],
-        prefetch=options["prefetch"],
-        poll_interval=options["poll_interval"],
-        lease_seconds=options["lease"],
-        shutdown_timeout=options["shutdown_timeout"],
-        liveness_lock=not options["no_liveness_lock"],
-        tcp_user_timeout=options["tcp_user_timeout"] or None,
-        **pooler.worker_settings(argparse.Namespace(**options), dict(os.environ)),
-        metrics=command.serve_metrics(options, app),
-        history_retention=None if retention <= 0 else timedelta(days=retention),
-    )
+    worker_options = WorkerOptions.from_arguments(options, os.environ, queues=queues)
+    worker = Worker(app, worker_options, metrics=command.serve_metrics(options, app))
     app.worker_id = str(worker.id)
     command.run_to_the_end(worker)
 
