@@ -2,9 +2,9 @@
 an option cannot use (a negative count, a zero where zero means nothing, a value past
 what PostgreSQL or the system stores, NaN and infinities), before anything runs.
 
-``skiplock``'s commands and ``manage.py skiplock_worker`` take their numeric options
-through these, so both refuse the same values; a test feeds every such option of the
-parser values out of its range. Pure.
+``skiplock``'s commands, the worker's options (worker/options.py) and so ``manage.py
+skiplock_worker`` take their numeric options through these, so all refuse the same
+values. Pure.
 """
 
 from __future__ import annotations
@@ -82,6 +82,23 @@ RETENTION_DAYS = Number(0, DAYS_MAX, unit="days")
 # tcp_user_timeout is sent in milliseconds, as a C int.
 TCP_USER_TIMEOUT = seconds(maximum=INTEGER_MAX // 1000)
 PREFETCH = count(0, INTEGER_MAX)
+
+
+@dataclass(frozen=True)
+class CommaSeparated:
+    """An argparse ``type``: comma-separated numbers, each taken by ``each``; ``noun``
+    names them in the message (``must be comma-separated seconds, each >= 0 ...``)."""
+
+    each: Number
+    noun: str
+
+    def __call__(self, text: str) -> list[int | float]:
+        try:
+            return [self.each(part) for part in text.split(",")]
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"must be comma-separated {self.noun}, each {self.each.expected}, got {text!r}"
+            ) from None
 
 
 def prefetch_setting(text: str) -> int | None:

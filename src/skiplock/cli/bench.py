@@ -7,7 +7,14 @@ import argparse
 import shlex
 from typing import Any
 
-from skiplock.command_line import CONCURRENCY, PROCESSES, count, prefetch_setting, seconds
+from skiplock.command_line import (
+    CONCURRENCY,
+    PROCESSES,
+    CommaSeparated,
+    count,
+    prefetch_setting,
+    seconds,
+)
 from skiplock.errors import ConfigurationError
 
 SCENARIOS = (
@@ -30,6 +37,9 @@ SCENARIOS = (
     "hosts",
     "failover",
 )
+# bench --phases and --clients
+phases = CommaSeparated(seconds(), "seconds")
+client_counts = CommaSeparated(count(1, 1000), "client counts")
 
 
 def add_parser(sub: Any) -> None:
@@ -118,28 +128,6 @@ def run_demo(args: argparse.Namespace) -> int:
     from skiplock import demo  # noqa: PLC0415
 
     return demo.main(args.database_url, args.demo_schema, args.json, args.prefetch)
-
-
-def phases(text: str) -> list[float]:
-    """``bench --phases``: comma-separated seconds, each finite and >= 0."""
-    each = seconds()
-    try:
-        return [float(each(part)) for part in text.split(",")]
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"must be comma-separated seconds, each {each.expected}, got {text!r}"
-        ) from None
-
-
-def client_counts(text: str) -> list[int]:
-    """``bench --clients``: comma-separated numbers of concurrent clients, each 1-1000."""
-    each = count(1, 1000)
-    try:
-        return [int(each(part)) for part in text.split(",")]
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"must be comma-separated client counts, each {each.expected}, got {text!r}"
-        ) from None
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -50,6 +50,11 @@ def _add_filters(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--older-than", type=seconds(), metavar="SECONDS", help="by creation time")
 
 
+def _filters(args: argparse.Namespace) -> dict[str, Any]:
+    """The filters given (``--state``, ``--queue``, ``--task``, ``--older-than``)."""
+    return {name: getattr(args, name) for name in ("state", "queue", "task", "older_than")}
+
+
 def _fmt_time(value: datetime | None) -> str:
     return value.isoformat(timespec="seconds") if value else "-"
 
@@ -128,15 +133,7 @@ def run(args: argparse.Namespace) -> int:
     app = App(args.database_url, schema=args.schema)
     with app.connect() as conn:
         if args.jobs_command == "list":
-            jobs = client.list_jobs(
-                conn,
-                app.schema,
-                state=args.state,
-                queue=args.queue,
-                task=args.task,
-                older_than=args.older_than,
-                limit=args.limit,
-            )
+            jobs = client.list_jobs(conn, app.schema, **_filters(args), limit=args.limit)
             if args.json:
                 print(json.dumps([_job_dict(j) for j in jobs], default=str))
                 return 0
@@ -192,14 +189,7 @@ def _jobs_change(args: argparse.Namespace, conn: psycopg.Connection[Any], schema
             f"`jobs {args.jobs_command}` needs a job id, or --all with filters "
             "(--state, --queue, --task, --older-than)"
         )
-    ids = client.select_job_ids(
-        conn,
-        schema,
-        state=args.state,
-        queue=args.queue,
-        task=args.task,
-        older_than=args.older_than,
-    )
+    ids = client.select_job_ids(conn, schema, **_filters(args))
     if not ids:
         print("no jobs match")
         return 0

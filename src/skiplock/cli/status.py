@@ -8,11 +8,18 @@ import contextlib
 import json
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
+import psycopg
+
 from skiplock import client, routing
+from skiplock.app import App
 from skiplock.cli.databases import each_database
 from skiplock.command_line import count, seconds
+
+# The options that set an alert's threshold, named as status_alerts' keywords.
+THRESHOLDS = ("max_dead", "max_available", "max_ready_age", "min_workers")
 
 
 def add_parser(sub: Any) -> None:
@@ -142,52 +149,62 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         conns = [stack.enter_context(app.connect(autocommit=True)) for app in apps]
         while True:
-            sections = []
-            alerts: list[str] = []
-            for app, conn in zip(apps, conns, strict=True):
-                queues = client.queue_stats(conn, app.schema)
-                paused = set(client.paused_queues(conn, app.schema))
-                for row in queues:
-                    row["paused"] = row["queue"] in paused
-                workers = client.list_workers(conn, app.schema)
-                where = routing.describe_url(app.database_url)
-                if several:  # which database each row is from
-                    for row in [*queues, *workers]:
-                        row["database"] = where
-                sections.append((where, queues, workers, status_notes(queues, workers)))
-                found = status_alerts(
-                    queues,
-                    workers,
-                    max_dead=args.max_dead,
-                    max_available=args.max_available,
-                    max_ready_age=args.max_ready_age,
-                    min_workers=args.min_workers,
-                )
-                alerts += [f"{where}: {alert}" if several else alert for alert in found]
+            each = zip(apps, conns, strict=True)
+            sections = [_read(app, conn, several=several) for app, conn in each]
+            alerts = [alert for section in sections for alert in _alerts(section, args)]
             if args.json:
-                print(
-                    json.dumps(
-                        {
-                            "queues": [row for section in sections for row in section[1]],
-                            "workers": [row for section in sections for row in section[2]],
-                            "alerts": alerts,
-                            "notes": [note for section in sections for note in section[3]],
-                        },
-                        default=str,
-                    ),
-                    flush=True,
-                )
+                _print_json(sections, alerts)
             else:
                 if args.watch:
                     print("\033[2J\033[H", end="")  # clear the terminal, cursor home
-                for where, queues, workers, notes in sections:
-                    if several:
-                        print(f"database {where}")
-                    _print_status(queues, workers, notes)
-                    if several:
+                for section in sections:
+                    if section.database is not None:
+                        print(f"database {section.database}")
+                    _print_status(section.queues, section.workers, section.notes)
+                    if section.database is not None:
                         print()
                 for alert in alerts:
                     print(f"ALERT: {alert}", file=sys.stderr)
             if not args.watch:
                 return 1 if alerts else 0
             time.sleep(args.watch)
+
+
+@dataclass
+class _Section:
+    """What status shows of one database; ``database`` names it when there are several."""
+
+    database: str | None
+    queues: list[dict[str, Any]]
+    workers: list[dict[str, Any]]
+    notes: list[str]
+
+
+def _read(app: App, conn: psycopg.Connection[Any], *, several: bool) -> _Section:
+    queues = client.queue_stats(conn, app.schema)
+    paused = set(client.paused_queues(conn, app.schema))
+    for row in queues:
+        row["paused"] = row["queue"] in paused
+    workers = client.list_workers(conn, app.schema)
+    where = routing.describe_url(app.database_url) if several else None
+    if where is not None:  # which database each row is from
+        for row in [*queues, *workers]:
+            row["database"] = where
+    return _Section(where, queues, workers, status_notes(queues, workers))
+
+
+def _alerts(section: _Section, args: argparse.Namespace) -> list[str]:
+    thresholds = {name: getattr(args, name) for name in THRESHOLDS}
+    found = status_alerts(section.queues, section.workers, **thresholds)
+    where = section.database
+    return [alert if where is None else f"{where}: {alert}" for alert in found]
+
+
+def _print_json(sections: list[_Section], alerts: list[str]) -> None:
+    every = {
+        "queues": [row for section in sections for row in section.queues],
+        "workers": [row for section in sections for row in section.workers],
+        "alerts": alerts,
+        "notes": [note for section in sections for note in section.notes],
+    }
+    print(json.dumps(every, default=str), flush=True)

@@ -93,7 +93,7 @@ def worker_queues(option: str | None, app: App) -> tuple[list[str], dict[str, li
         by_queue.setdefault(task.options.queue, []).append(name)
     if option is None:
         return sorted(by_queue) or ["default"], {}
-    queues = [q.strip() for q in option.split(",") if q.strip()]
+    queues = command.queue_names(option)
     return queues, {q: tasks for q, tasks in sorted(by_queue.items()) if q not in queues}
 
 

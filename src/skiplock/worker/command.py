@@ -59,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def queue_names(text: str) -> list[str]:
+    """The queues of a ``--queues`` value: comma-separated names, blanks dropped."""
+    return [queue.strip() for queue in text.split(",") if queue.strip()]
+
+
 def serve_metrics(given: Mapping[str, Any], app: App) -> PrometheusMetrics | None:
     """The worker's metrics, served on ``--metrics-port`` when given (else None)."""
     if not given.get("metrics_port"):

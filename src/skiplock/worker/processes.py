@@ -39,7 +39,7 @@ _FORWARDED[signal.SIGHUP] = signal.SIGTERM
 @dataclass
 class _Child:
     process: subprocess.Popen[bytes]
-    told: int = 0  # how many of the stop signals received it was sent
+    signals_sent: int = 0  # how many of the stop signals received it was sent
     restart_at: float | None = None  # once it died: when to start its replacement
 
 
@@ -100,10 +100,10 @@ def _turn(
         process = child.process
         code = process.poll()
         if code is None:
-            unsent = received[child.told :]  # a signal arriving meanwhile waits a turn
+            unsent = received[child.signals_sent :]  # a signal arriving meanwhile waits a turn
             for signum in unsent:
                 process.send_signal(signum)
-            child.told += len(unsent)
+            child.signals_sent += len(unsent)
             continue
         if received:
             continue
@@ -117,5 +117,5 @@ def _turn(
             child.restart_at = now + RESTART_DELAY
         elif now >= child.restart_at:
             child.process = start()
-            child.told = 0
+            child.signals_sent = 0
             child.restart_at = None

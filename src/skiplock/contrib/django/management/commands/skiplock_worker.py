@@ -1,7 +1,7 @@
 """``manage.py skiplock_worker``: ``skiplock worker`` with Django set up, for the tasks of a
-SkiplockBackend. The options are those of ``skiplock worker`` (a test keeps them so),
-less the App argument: the backend (``--backend``, default "default") says where the jobs
-are, and its QUEUES are the default ``--queues``."""
+SkiplockBackend. The options are those of ``skiplock worker`` (both add them with
+skiplock.worker.command), less the App argument: the backend (``--backend``, default
+"default") says where the jobs are, and its QUEUES are the default ``--queues``."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def _run(options: dict[str, Any]) -> None:
             "run `python manage.py migrate` first"
         )
     if options["queues"]:
-        queues = [q.strip() for q in options["queues"].split(",") if q.strip()]
+        queues = command.queue_names(options["queues"])
     else:
         queues = sorted(backend.queues) or ["default"]
     app = DjangoTasksApp(backend)
