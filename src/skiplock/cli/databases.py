@@ -11,8 +11,9 @@ import sys
 import psycopg
 import psycopg.conninfo
 
+import skiplock.app
 from skiplock import pooler, routing
-from skiplock.app import App, load_app
+from skiplock.app import App
 from skiplock.config import DATABASE_URL_ENV, EMBEDDED
 from skiplock.errors import ConfigurationError
 from skiplock.replica import READ_URL_ENV, check_one_database, replica_state
@@ -20,7 +21,8 @@ from skiplock.replica import READ_URL_ENV, check_one_database, replica_state
 
 def app_from_args(args: argparse.Namespace) -> App:
     if getattr(args, "app", None):
-        app = load_app(args.app)
+        # Looked up on the module when called, so that a test can stand in an App.
+        app = skiplock.app.load_app(args.app)
         app.configure(database_url=args.database_url, schema=args.schema)
         return app
     return App(args.database_url, schema=args.schema)
