@@ -12,7 +12,7 @@ import pytest
 
 from skiplock import bench
 from skiplock.bench.measure import Settings
-from skiplock.cli import SCENARIOS
+from skiplock.cli.bench import SCENARIOS
 
 
 def test_the_cli_offers_exactly_the_registered_scenarios_in_order() -> None:

@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 
 from skiplock import cli, command_line
+from skiplock.cli import bench
+from skiplock.cli.parser import UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 HUGE = "99999999999999999999"  # past bigint
@@ -42,9 +44,9 @@ def bad_values(kind: Callable[[str], Any]) -> list[str]:
         return ["-1", HUGE]
     if kind is float:
         return ["-1", HUGE, "nan", "inf", "-inf"]
-    if kind is getattr(cli, "phases", None):
+    if kind is bench.phases:
         return ["20,-1,180,60", "20,nan,180,60", f"20,{HUGE}e9,180,60"]
-    if kind is getattr(cli, "client_counts", None):
+    if kind is bench.client_counts:
         return ["8,0", "8,1001", f"8,{HUGE}", "8,x"]
     assert isinstance(kind, command_line.Number), f"give {kind!r} bounds (command_line.Number)"
     below = kind.minimum if kind.above else kind.minimum - 1
@@ -118,7 +120,7 @@ def parser_refusal(command: list[str]) -> str | None:
     the parser lets through would reach the command itself: that is the failure."""
     try:
         cli.build_parser().parse_args(["--database-url", "postgresql://nobody@invalid/x", *command])
-    except command_line.UsageError as exc:
+    except UsageError as exc:
         return str(exc)
     return None
 

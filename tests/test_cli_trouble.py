@@ -26,6 +26,9 @@ from psycopg import sql
 import skiplock
 from conftest import JobFactory, StartWorker, wait_until
 from skiplock import cli, client, doctor
+from skiplock.cli.jobs import job_view
+from skiplock.cli.status import plural
+from skiplock.cli.worker import worker_queues
 from skiplock.sql import maintenance, render
 from skiplock.tracebacks import format_handler_exception, is_internal
 from skiplock.types import Job, JobState
@@ -124,7 +127,7 @@ def test_status_notes_ready_jobs_with_no_worker_at_all(
 
 
 def test_plural() -> None:
-    assert [cli.plural(n, "worker") for n in (0, 1, 2)] == ["0 workers", "1 worker", "2 workers"]
+    assert [plural(n, "worker") for n in (0, 1, 2)] == ["0 workers", "1 worker", "2 workers"]
 
 
 # -- doctor ----------------------------------------------------------------------------
@@ -223,12 +226,12 @@ def make_app() -> skiplock.App:
 def test_worker_queues_default_to_the_registered_tasks_queues() -> None:
     app = make_app()
 
-    assert cli.worker_queues(None, app) == (["default", "emails", "reports"], {})
-    assert cli.worker_queues(None, skiplock.App("postgresql://nowhere/none")) == (["default"], {})
+    assert worker_queues(None, app) == (["default", "emails", "reports"], {})
+    assert worker_queues(None, skiplock.App("postgresql://nowhere/none")) == (["default"], {})
 
 
 def test_worker_queues_given_name_the_tasks_they_leave_out() -> None:
-    queues, unserved = cli.worker_queues(" emails, extra ", make_app())
+    queues, unserved = worker_queues(" emails, extra ", make_app())
 
     assert queues == ["emails", "extra"]
     assert unserved == {
@@ -401,7 +404,7 @@ def test_job_view_of_a_job_with_no_errors_and_a_result() -> None:
         result={"sent": True},
     )  # fmt: skip
 
-    lines = cli.job_view(job)
+    lines = job_view(job)
 
     assert "args:" in lines and lines[lines.index("args:") + 1] == "    {}"
     assert lines[lines.index("result:") + 1 :][:3] == ["    {", '      "sent": true', "    }"]

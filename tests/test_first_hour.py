@@ -19,7 +19,7 @@ import pytest
 from psycopg import sql
 
 import skiplock
-from skiplock import cli
+from skiplock.cli.databases import database_url_problem, without_password
 from skiplock.tasks import argument_mismatch
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -86,7 +86,7 @@ def test_a_url_of_another_database_is_refused_without_its_password() -> None:
     ],
 )
 def test_database_url_problem(url: str, problem: str | None) -> None:
-    found = cli.database_url_problem(url)
+    found = database_url_problem(url)
 
     if problem is None:
         assert found is None
@@ -96,13 +96,11 @@ def test_database_url_problem(url: str, problem: str | None) -> None:
 
 
 def test_without_password() -> None:
-    assert cli.without_password("postgresql://app:s3cret@db:5432/shop") == (
+    assert without_password("postgresql://app:s3cret@db:5432/shop") == (
         "postgresql://app:***@db:5432/shop"
     )
-    assert cli.without_password("host=db password=s3cret user=app") == (
-        "host=db password=*** user=app"
-    )
-    assert cli.without_password("postgresql://app@db/shop") == "postgresql://app@db/shop"
+    assert without_password("host=db password=s3cret user=app") == ("host=db password=*** user=app")
+    assert without_password("postgresql://app@db/shop") == "postgresql://app@db/shop"
 
 
 # -- enqueue before migrate ------------------------------------------------------------

@@ -23,8 +23,8 @@ import pytest
 import skiplock
 from conftest import SCHEMA, JobFactory, StartWorker, wait_until
 from skiplock import cli
+from skiplock.cli.metrics import exporter_registry
 from skiplock.metrics import NullMetrics, PrometheusMetrics
-from skiplock.metrics_command import exporter_registry
 from skiplock.retry import RetryPolicy
 from skiplock.tracing import error_class
 

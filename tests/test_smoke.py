@@ -33,7 +33,7 @@ from skiplock.bench import dashboard as dashboard_bench
 from skiplock.bench.enqueue_concurrent import COMMIT_PATHS
 from skiplock.bench.pgbench import pgbench_path
 from skiplock.bench.wakeup import wakeup_paths
-from skiplock.cli import SCENARIOS
+from skiplock.cli.bench import SCENARIOS
 
 PASSWORD = "secret-7f3a"
 

@@ -14,7 +14,8 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 from starlette.testclient import TestClient
 
-from skiplock import cli, routing
+from skiplock import routing
+from skiplock.cli.databases import database_url_problem
 from skiplock.dashboard import create_app
 from skiplock.errors import ConfigurationError
 
@@ -67,7 +68,7 @@ def test_a_malformed_route_is_named_without_its_password(url: str, password: str
 
 @pytest.mark.parametrize(("url", "password"), MALFORMED)
 def test_the_cli_names_a_malformed_url_without_its_password(url: str, password: str) -> None:
-    problem = cli.database_url_problem(url)
+    problem = database_url_problem(url)
 
     assert problem is not None and "is malformed (" in problem
     assert leaks(password, problem) == []

@@ -2,9 +2,9 @@
 an option cannot use (a negative count, a zero where zero means nothing, a value past
 what PostgreSQL or the system stores, NaN and infinities), before anything runs.
 
-``skiplock``'s commands and ``manage.py skiplock_worker`` take their numeric options
-through these, so both refuse the same values; a test feeds every such option of the
-parser values out of its range. Pure.
+``skiplock``'s commands, the worker's options (worker/options.py) and so ``manage.py
+skiplock_worker`` take their numeric options through these, so all refuse the same
+values. Pure.
 """
 
 from __future__ import annotations
@@ -12,9 +12,6 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
-from typing import NoReturn
-
-from skiplock.errors import ConfigurationError
 
 BIGINT_MAX = 2**63 - 1  # ids, limits and counts PostgreSQL stores as bigint
 INTEGER_MAX = 2**31 - 1  # what an integer column holds (a worker's concurrency)
@@ -87,6 +84,23 @@ TCP_USER_TIMEOUT = seconds(maximum=INTEGER_MAX // 1000)
 PREFETCH = count(0, INTEGER_MAX)
 
 
+@dataclass(frozen=True)
+class CommaSeparated:
+    """An argparse ``type``: comma-separated numbers, each taken by ``each``; ``noun``
+    names them in the message (``must be comma-separated seconds, each >= 0 ...``)."""
+
+    each: Number
+    noun: str
+
+    def __call__(self, text: str) -> list[int | float]:
+        try:
+            return [self.each(part) for part in text.split(",")]
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"must be comma-separated {self.noun}, each {self.each.expected}, got {text!r}"
+            ) from None
+
+
 def prefetch_setting(text: str) -> int | None:
     """``--prefetch``: 'auto' (None: sized from job durations) or a count >= 0."""
     if text == "auto":
@@ -97,19 +111,3 @@ def prefetch_setting(text: str) -> int | None:
         raise argparse.ArgumentTypeError(
             f"must be 'auto' or {PREFETCH.expected}, got {text!r}"
         ) from None
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line, ``skiplock: --limit must be ...``,
-    raised as UsageError for the command to print and exit 2 (argparse prints its usage
-    and exits itself)."""
-
-    def error(self, message: str) -> NoReturn:
-        option, separator, rest = message.partition(": ")
-        if option.startswith("argument ") and separator:  # "argument --limit: must be ..."
-            message = f"{option.removeprefix('argument ')} {rest}"
-        raise UsageError(f"{message} (see `{self.prog} --help`)")
-
-
-class UsageError(ConfigurationError):
-    """A command line that cannot run, said in one line."""

@@ -9,7 +9,7 @@ otherwise: the figures name queues and tasks.
 
 The figures read from the database describe the whole database, not one process: a worker
 exports them only while it is the elected leader (``queue_gauges="leader"``), so that N
-workers do not report every queue N times; ``skiplock metrics`` (metrics_command.py)
+workers do not report every queue N times; ``skiplock metrics`` (cli/metrics.py)
 exports them alone, from a process of its own. Every metric: docs/metrics.md.
 """
 

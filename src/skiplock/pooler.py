@@ -22,7 +22,6 @@ doctor`` runs it).
 
 from __future__ import annotations
 
-import argparse
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -177,50 +176,3 @@ def _pid(conn: psycopg.Connection[Any]) -> int:
     row = conn.execute(_BACKEND).fetchone()
     assert row is not None
     return int(row[0])
-
-
-# -- the worker command's options --------------------------------------------------------
-
-
-def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
-    """``skiplock worker``'s pooler options (cli.py calls this once)."""
-    parser.add_argument(
-        "--pooler",
-        action="store_true",
-        help="the database URL is a pooler in transaction mode (PgBouncer): no prepared "
-        "statements or session locks on its connections; LISTEN and the liveness lock "
-        "need --listen-url (else the worker polls and rescue waits for leases) "
-        "(default: a direct connection)",
-    )
-    parser.add_argument(
-        "--listen-url",
-        default=None,
-        help=f"PostgreSQL URL for the listener and the heartbeat (default: ${LISTEN_URL_ENV}, "
-        "else the database URL): direct or session-mode, where LISTEN and session locks work",
-    )
-    parser.add_argument(
-        "--no-listen",
-        action="store_true",
-        help=f"no LISTEN connection: poll for jobs (every {POLL_ONLY_INTERVAL:g}s unless "
-        "--poll-interval says otherwise) (default: listen, so new jobs wake the worker)",
-    )
-
-
-def worker_settings(args: argparse.Namespace, environ: dict[str, str]) -> dict[str, Any]:
-    """The ``Worker`` keyword arguments of the pooler options."""
-    listen_url = args.listen_url or environ.get(LISTEN_URL_ENV) or None
-    return {"pooler": args.pooler, "listen": not args.no_listen, "listen_url": listen_url}
-
-
-def child_arguments(args: argparse.Namespace, environ: dict[str, str]) -> list[str]:
-    """The pooler options (and the poll interval, whose default depends on them) for a
-    child of ``--processes``; the listen URL goes through ``environ`` (the child's
-    environment), never its command line, like the database URL: it may hold a password."""
-    command = [] if args.poll_interval is None else ["--poll-interval", str(args.poll_interval)]
-    if args.pooler:
-        command.append("--pooler")
-    if args.no_listen:
-        command.append("--no-listen")
-    if args.listen_url:
-        environ[LISTEN_URL_ENV] = args.listen_url
-    return command

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from skiplock import client
-from skiplock.cli import status_alerts
+from skiplock.cli.status import status_alerts
 
 from .conftest import Cli, Ops
 

@@ -30,6 +30,8 @@ from skiplock import doctor, pooler
 from skiplock.errors import ConfigurationError
 from skiplock.pooler import WorkerConnections, detect_transaction_pooling
 from skiplock.sql import maintenance, render
+from skiplock.worker import options
+from skiplock.worker.options import WorkerOptions
 
 # -- settings (no server) ----------------------------------------------------------------
 
@@ -81,22 +83,29 @@ def test_pooled_connections_send_no_options_and_prepare_nothing() -> None:
 
 def test_the_worker_command_options_reach_the_worker_and_the_children() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--poll-interval", type=float, default=None)
-    pooler.add_worker_arguments(parser)
-    args = parser.parse_args(["--pooler", "--listen-url", "postgresql://direct/db"])
-    assert pooler.worker_settings(args, {}) == {
-        "pooler": True,
-        "listen": True,
-        "listen_url": "postgresql://direct/db",
-    }
+    options.add_arguments(parser)
+    given = vars(parser.parse_args(["--pooler", "--listen-url", "postgresql://direct/db"]))
+    settings = WorkerOptions.from_arguments(given, {})
+    assert (settings.pooler, settings.listen, settings.listen_url) == (
+        True,
+        True,
+        "postgresql://direct/db",
+    )
     env: dict[str, str] = {}
     # The URL may hold a password: to the children through their environment only.
-    assert pooler.child_arguments(args, env) == ["--pooler"]
+    pooler_flags = {"--pooler", "--listen-url", "--no-listen"}
+    assert [a for a in options.child_arguments(given, env) if a in pooler_flags] == ["--pooler"]
     assert env == {pooler.LISTEN_URL_ENV: "postgresql://direct/db"}
-    args = parser.parse_args(["--no-listen", "--poll-interval", "0.5"])
-    settings = pooler.worker_settings(args, {pooler.LISTEN_URL_ENV: "postgresql://env/db"})
-    assert settings == {"pooler": False, "listen": False, "listen_url": "postgresql://env/db"}
-    assert pooler.child_arguments(args, {}) == ["--poll-interval", "0.5", "--no-listen"]
+    given = vars(parser.parse_args(["--no-listen", "--poll-interval", "0.5"]))
+    settings = WorkerOptions.from_arguments(given, {pooler.LISTEN_URL_ENV: "postgresql://env/db"})
+    assert (settings.pooler, settings.listen, settings.listen_url) == (
+        False,
+        False,
+        "postgresql://env/db",
+    )
+    argv = options.child_arguments(given, {})
+    assert argv[argv.index("--poll-interval") + 1] == "0.5"
+    assert [a for a in argv if a in pooler_flags] == ["--no-listen"]
 
 
 # -- telling a transaction-mode pooler ---------------------------------------------------

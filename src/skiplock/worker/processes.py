@@ -1,5 +1,6 @@
 """``--processes N``: N single-process workers under one supervisor, for CPU-bound sync
-handlers. ``skiplock worker`` and ``manage.py skiplock_worker`` both run this loop.
+handlers. ``skiplock worker`` and ``manage.py skiplock_worker`` both run this loop
+(``run_fleet``), each giving the command line that starts one of its worker processes.
 
 The supervisor restarts a worker process that dies and forwards a stop signal to every
 one. A signal handler only records the signal; the loop does everything else, so the
@@ -16,6 +17,10 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from skiplock.errors import ConfigurationError
+from skiplock.worker import options
 
 log = logging.getLogger("skiplock.worker")
 
@@ -34,8 +39,22 @@ _FORWARDED[signal.SIGHUP] = signal.SIGTERM
 @dataclass
 class _Child:
     process: subprocess.Popen[bytes]
-    told: int = 0  # how many of the stop signals received it was sent
+    signals_sent: int = 0  # how many of the stop signals received it was sent
     restart_at: float | None = None  # once it died: when to start its replacement
+
+
+def run_fleet(program: Sequence[str], given: Mapping[str, Any], env: dict[str, str]) -> int:
+    """Run ``given["processes"]`` worker processes, each ``program`` followed by the worker
+    options of ``given`` (a parsed command line) as they were given. A URL, which may hold
+    a password, reaches them through ``env``, their environment, never their command
+    line (which every user of the machine can read)."""
+    if given.get("metrics_port"):
+        raise ConfigurationError(
+            "--metrics-port serves one process; with --processes run the workers "
+            "separately, each with its own port"
+        )
+    command = [*program, *options.child_arguments(given, env)]
+    return run_processes(command, given["processes"], env=env)
 
 
 def run_processes(
@@ -81,10 +100,10 @@ def _turn(
         process = child.process
         code = process.poll()
         if code is None:
-            unsent = received[child.told :]  # a signal arriving meanwhile waits a turn
+            unsent = received[child.signals_sent :]  # a signal arriving meanwhile waits a turn
             for signum in unsent:
                 process.send_signal(signum)
-            child.told += len(unsent)
+            child.signals_sent += len(unsent)
             continue
         if received:
             continue
@@ -98,5 +117,5 @@ def _turn(
             child.restart_at = now + RESTART_DELAY
         elif now >= child.restart_at:
             child.process = start()
-            child.told = 0
+            child.signals_sent = 0
             child.restart_at = None

@@ -1,7 +1,7 @@
 """``manage.py skiplock_worker``: ``skiplock worker`` with Django set up, for the tasks of a
-SkiplockBackend. The options are those of ``skiplock worker`` (a test keeps them so),
-less the App argument: the backend (``--backend``, default "default") says where the jobs
-are, and its QUEUES are the default ``--queues``."""
+SkiplockBackend. The options are those of ``skiplock worker`` (both add them with
+skiplock.worker.command), less the App argument: the backend (``--backend``, default
+"default") says where the jobs are, and its QUEUES are the default ``--queues``."""
 
 from __future__ import annotations
 
@@ -9,24 +9,13 @@ import argparse
 import logging
 import os
 import sys
-from datetime import timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from skiplock import pooler
-from skiplock.command_line import (
-    CONCURRENCY,
-    PORT,
-    PROCESSES,
-    RETENTION_DAYS,
-    TCP_USER_TIMEOUT,
-    prefetch_setting,
-    seconds,
-)
 from skiplock.errors import ConfigurationError, SkiplockError
-
-log = logging.getLogger("skiplock.contrib.django")
+from skiplock.worker import command, processes
+from skiplock.worker.options import WorkerOptions
 
 
 class Command(BaseCommand):
@@ -39,55 +28,14 @@ class Command(BaseCommand):
         parser.add_argument(
             "--queues", default=None, help="comma-separated (default: the backend's QUEUES)"
         )
-        parser.add_argument("--concurrency", type=CONCURRENCY, default=10, help="jobs at once")
-        parser.add_argument(
-            "--processes", type=PROCESSES, default=1, help="worker processes to run"
-        )
-        parser.add_argument(
-            "--prefetch",
-            type=prefetch_setting,
-            default=None,
-            metavar="auto|N",
-            help="jobs to claim beyond free slots (default auto; 0 turns it off)",
-        )
-        parser.add_argument(
-            "--lease", type=seconds(above_zero=True), default=30.0, help="lease seconds"
-        )
-        parser.add_argument(
-            "--poll-interval",
-            type=seconds(above_zero=True),
-            default=None,
-            help="fallback poll seconds (default 1; 0.2 without a listener)",
-        )
-        parser.add_argument("--shutdown-timeout", type=seconds(), default=30.0)
-        parser.add_argument("--metrics-port", type=PORT, help="serve Prometheus metrics here")
-        parser.add_argument("--metrics-host", default="127.0.0.1")
-        parser.add_argument(
-            "--history-retention-days",
-            type=RETENTION_DAYS,
-            default=7.0,
-            help="drop finished jobs older than this (0 keeps them forever)",
-        )
-        parser.add_argument(
-            "--no-liveness-lock",
-            action="store_true",
-            help="behind a transaction-mode pooler (PgBouncer): rescue by lease expiry only",
-        )
-        parser.add_argument(
-            "--tcp-user-timeout",
-            type=TCP_USER_TIMEOUT,
-            default=30.0,
-            help="drop a connection whose peer stopped answering after about this long "
-            "(TCP keepalives and tcp_user_timeout, unless the URL sets them; 0: the "
-            "system's defaults; default 30)",
-        )
-        pooler.add_worker_arguments(parser)  # --pooler, --listen-url, --no-listen
+        command.add_arguments(parser)
 
     def handle(self, *args: Any, **options: Any) -> None:
         _configure_logging(int(options["verbosity"]))
         try:
             if options["processes"] > 1:
-                _supervise(options)
+                env = dict(os.environ)
+                processes.run_fleet(_worker_program(options, env), options, env)
                 return
             _run(options)
         except SkiplockError as exc:
@@ -134,48 +82,14 @@ def _run(options: dict[str, Any]) -> None:
             "run `python manage.py migrate` first"
         )
     if options["queues"]:
-        queues = [q.strip() for q in options["queues"].split(",") if q.strip()]
+        queues = command.queue_names(options["queues"])
     else:
         queues = sorted(backend.queues) or ["default"]
     app = DjangoTasksApp(backend)
-    metrics = None
-    if options["metrics_port"]:
-        try:
-            from skiplock.metrics import PrometheusMetrics  # noqa: PLC0415
-
-            metrics = PrometheusMetrics(app.database_url, app.schema)
-        except ImportError:
-            raise ConfigurationError(
-                "--metrics-port needs prometheus_client: pip install 'skiplock[metrics]'"
-            ) from None
-        metrics.serve(options["metrics_port"], options["metrics_host"])
-    retention = options["history_retention_days"]
-    worker = Worker(
-        app,
-        queues=queues,
-        concurrency=options["concurrency"],
-        prefetch=options["prefetch"],
-        poll_interval=options["poll_interval"],
-        lease_seconds=options["lease"],
-        shutdown_timeout=options["shutdown_timeout"],
-        liveness_lock=not options["no_liveness_lock"],
-        tcp_user_timeout=options["tcp_user_timeout"] or None,
-        **pooler.worker_settings(argparse.Namespace(**options), dict(os.environ)),
-        metrics=metrics,
-        history_retention=None if retention <= 0 else timedelta(days=retention),
-    )
+    worker_options = WorkerOptions.from_arguments(options, os.environ, queues=queues)
+    worker = Worker(app, worker_options, metrics=command.serve_metrics(options, app))
     app.worker_id = str(worker.id)
-    worker.run()
-    if worker.abandoned_threads:
-        # As `skiplock worker`: Python would wait for a stuck sync handler at exit.
-        log.warning(
-            "exiting with %d sync handlers still running (abandoned at shutdown)",
-            worker.abandoned_threads,
-        )
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    command.run_to_the_end(worker)
 
 
 def _this_program(env: dict[str, str]) -> list[str]:
@@ -196,46 +110,12 @@ def _this_program(env: dict[str, str]) -> list[str]:
     return [sys.executable, "-m", "django"]
 
 
-def _supervise(options: dict[str, Any]) -> None:
-    """Run ``--processes`` single-process workers (skiplock/worker/processes.py), each
-    with this command's options."""
-    if options["metrics_port"]:
-        raise ConfigurationError(
-            "--metrics-port serves one process; with --processes run the workers "
-            "separately, each with its own port"
-        )
-    from skiplock.worker.processes import run_processes  # noqa: PLC0415
-
-    env = dict(os.environ)
-    run_processes(child_command(options, env), options["processes"], env=env)
-
-
-def child_command(options: dict[str, Any], env: dict[str, str]) -> list[str]:
-    """The command line of one worker process of ``--processes``: these options, not
-    this process's own command line (call_command has none), with --processes 1. A
-    listen URL goes through ``env`` (the child's environment), never the command line:
-    it may hold a password."""
-    command = [*_this_program(env), "skiplock_worker", "--processes", "1"]
+def _worker_program(options: dict[str, Any], env: dict[str, str]) -> list[str]:
+    """How one process of ``--processes`` starts: this command with these options (not
+    this process's own command line: call_command has none) and --processes 1."""
+    program = [*_this_program(env), "skiplock_worker", "--processes", "1"]
     for name in ("settings", "pythonpath"):  # Django's own, when given
         if options.get(name):
-            command += [f"--{name}", str(options[name])]
-    command += ["--verbosity", str(options["verbosity"]), "--backend", options["backend"]]
-    if options["queues"]:
-        command += ["--queues", options["queues"]]
-    prefetch = options["prefetch"]
-    command += [
-        *("--concurrency", str(options["concurrency"])),
-        *("--prefetch", "auto" if prefetch is None else str(prefetch)),
-        *("--lease", _exactly(options["lease"])),
-        *("--shutdown-timeout", _exactly(options["shutdown_timeout"])),
-        *("--history-retention-days", _exactly(options["history_retention_days"])),
-        *("--tcp-user-timeout", _exactly(options["tcp_user_timeout"])),
-    ]
-    if options["no_liveness_lock"]:
-        command.append("--no-liveness-lock")
-    return command + pooler.child_arguments(argparse.Namespace(**options), env)
-
-
-def _exactly(value: float) -> str:
-    """The shortest text that reads back as ``value``."""
-    return repr(float(value)).removesuffix(".0")
+            program += [f"--{name}", str(options[name])]
+    program += ["--verbosity", str(options["verbosity"]), "--backend", options["backend"]]
+    return program + (["--queues", options["queues"]] if options["queues"] else [])

@@ -1,9 +1,8 @@
 """``skiplock dashboard``: serve the dashboard with uvicorn.
 
-Registered by skiplock.cli, which resolves --database-url, --database-url-env and --schema
-as for every command and parses the global --read-url (left for this command to use: the
-pages read there, the actions still go to --database-url); this module only adds the
-dashboard's own options.
+The CLI resolves --database-url, --database-url-env and --schema as for every command and
+parses the global --read-url (left for this command to use: the pages read there, the
+actions still go to --database-url); this module only adds the dashboard's own options.
 """
 
 from __future__ import annotations
@@ -13,6 +12,8 @@ import logging
 import os
 from typing import Any
 
+from skiplock.app import App
+from skiplock.cli.databases import app_from_args
 from skiplock.command_line import PORT
 from skiplock.config import DEFAULT_SCHEMA, SCHEMA_ENV, resolve_database_url
 from skiplock.dashboard import security
@@ -87,25 +88,8 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.port <= 65535:
         raise ConfigurationError(f"--port {args.port}: use 1 to 65535")
     read_url = getattr(args, "read_url", None) or os.environ.get(READ_URL_ENV) or None
-    if args.app:
-        from skiplock.app import load_app  # noqa: PLC0415
-
-        # As `skiplock status --app`: --database-url and --schema, when given, override the
-        # App's own; its routing table brings its other databases (and create_app refuses
-        # a read URL with them, as status does: replica.check_one_database).
-        app = load_app(args.app)
-        app.configure(database_url=args.database_url, schema=args.schema)
-        database_url, schema = app.database_url, app.schema
-    else:
-        app = None
-        database_url = resolve_database_url(args.database_url)
-        schema = args.schema or os.environ.get(SCHEMA_ENV) or DEFAULT_SCHEMA
-    # The names it is reached by: --host when it is one (an address needs no listing),
-    # --allowed-host and the environment's.
-    from_env = os.environ.get(security.ALLOWED_HOSTS_ENV, "").replace(",", " ").split()
-    allowed = [*args.allowed_host, *from_env]
-    if not security.is_ip_address(args.host):
-        allowed.append(args.host)
+    app, database_url, schema = _database(args)
+    allowed = _allowed_hosts(args)
     web = create_app(
         database_url,
         schema,
@@ -128,3 +112,25 @@ def run(args: argparse.Namespace) -> int:
     )
     uvicorn.run(web, host=args.host, port=args.port, log_level="warning", proxy_headers=True)
     return 0
+
+
+def _database(args: argparse.Namespace) -> tuple[App | None, str, str]:
+    """The App (with ``--app``), the database URL and the schema the dashboard shows."""
+    if not args.app:
+        schema = args.schema or os.environ.get(SCHEMA_ENV) or DEFAULT_SCHEMA
+        return None, resolve_database_url(args.database_url), schema
+    # As `skiplock status --app`: --database-url and --schema, when given, override the
+    # App's own; its routing table brings its other databases (and create_app refuses a
+    # read URL with them, as status does: replica.check_one_database).
+    app = app_from_args(args)
+    return app, app.database_url, app.schema
+
+
+def _allowed_hosts(args: argparse.Namespace) -> list[str]:
+    """The names the dashboard is reached by: --host when it is one (an address needs no
+    listing), --allowed-host and the environment's."""
+    from_env = os.environ.get(security.ALLOWED_HOSTS_ENV, "").replace(",", " ").split()
+    allowed = [*args.allowed_host, *from_env]
+    if not security.is_ip_address(args.host):
+        allowed.append(args.host)
+    return allowed

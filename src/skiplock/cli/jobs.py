@@ -1,0 +1,211 @@
+"""``skiplock jobs``: list and show jobs; retry, cancel or delete one, or every job matching
+filters."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from skiplock import client
+from skiplock.app import App
+from skiplock.command_line import JOB_ID, count, seconds
+from skiplock.errors import ConfigurationError
+from skiplock.types import Job
+
+STATES = ["blocked", "scheduled", "available", "running", "retryable", "dead"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("jobs", help="list, show, retry or cancel jobs")
+    jobs = p.add_subparsers(dest="jobs_command", required=True)
+    q = jobs.add_parser("list", help="live jobs (history is not listed)")
+    _add_filters(q)
+    q.add_argument("--limit", type=count(1), default=100)
+    q.add_argument("--json", action="store_true")
+    q = jobs.add_parser("show", help="show one job, live or finished, with every error")
+    q.add_argument("id", type=JOB_ID)
+    q.add_argument("--json", action="store_true", help="print the job as one JSON object")
+    for name, text in (
+        ("retry", "send dead or waiting jobs back to their queue with fresh attempts"),
+        ("cancel", "cancel jobs that are not running (they move to history)"),
+        ("delete", "delete jobs that are not running, leaving no history"),
+    ):
+        q = jobs.add_parser(name, help=text)
+        q.add_argument("id", type=JOB_ID, nargs="?", help="one job; or use --all with filters")
+        q.add_argument("--all", action="store_true", help="every job matching the filters")
+        _add_filters(q)
+        q.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    p.set_defaults(func=run)
+
+
+def _add_filters(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--state", choices=STATES)
+    parser.add_argument("--queue")
+    parser.add_argument("--task")
+    parser.add_argument("--older-than", type=seconds(), metavar="SECONDS", help="by creation time")
+
+
+def _filters(args: argparse.Namespace) -> dict[str, Any]:
+    """The filters given (``--state``, ``--queue``, ``--task``, ``--older-than``)."""
+    return {name: getattr(args, name) for name in ("state", "queue", "task", "older_than")}
+
+
+def _fmt_time(value: datetime | None) -> str:
+    return value.isoformat(timespec="seconds") if value else "-"
+
+
+def _job_dict(job: Job) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "queue": job.queue,
+        "task": job.task,
+        "state": str(job.state),
+        "args": job.args,
+        "priority": job.priority,
+        "attempts": job.attempts,
+        "max_attempts": job.max_attempts,
+        "run_at": _fmt_time(job.run_at),
+        "retry_at": _fmt_time(job.retry_at),
+        "created_at": _fmt_time(job.created_at),
+        "attempted_at": _fmt_time(job.attempted_at),
+        "finished_at": _fmt_time(job.finished_at),
+        "worker_id": str(job.worker_id) if job.worker_id else None,
+        "errors": job.errors,
+        "result": job.result,
+        "progress": job.progress,
+        "cancel_requested_at": _fmt_time(job.cancel_requested_at),
+    }
+
+
+def _indented(text: str, prefix: str = "    ") -> list[str]:
+    return [prefix + line for line in text.rstrip("\n").splitlines()] or [prefix]
+
+
+def job_view(job: Job) -> list[str]:
+    """``jobs show``: one job for a person to read; its fields, its arguments (and result)
+    as indented JSON, and each attempt's error with the traceback as real lines. Pure."""
+    fields = [
+        ("state", str(job.state)),
+        ("task", job.task),
+        ("queue", job.queue),
+        ("priority", str(job.priority)),
+        ("attempts", f"{job.attempts} of {job.max_attempts}"),
+        ("created", _fmt_time(job.created_at)),
+        ("run at", _fmt_time(job.run_at)),
+        ("retry at", _fmt_time(job.retry_at) if job.retry_at else None),
+        ("last attempt", _fmt_time(job.attempted_at) if job.attempted_at else None),
+        ("finished", _fmt_time(job.finished_at) if job.finished_at else None),
+        ("worker", str(job.worker_id) if job.worker_id else None),
+        ("lease until", _fmt_time(job.lease_expires_at) if job.lease_expires_at else None),
+        (
+            "cancel asked",
+            _fmt_time(job.cancel_requested_at) if job.cancel_requested_at else None,
+        ),
+    ]
+    lines = [f"job {job.id}"]
+    lines += [f"  {name + ':':<14}{value}" for name, value in fields if value is not None]
+    lines += ["args:", *_indented(json.dumps(job.args, indent=2, ensure_ascii=False))]
+    for name, value in (("progress", job.progress), ("result", job.result)):
+        if value is not None:
+            lines += [f"{name}:", *_indented(json.dumps(value, indent=2, ensure_ascii=False))]
+    if not job.errors:
+        lines.append("errors: none")
+    for error in job.errors:
+        kind = ".".join(
+            part for part in (error.get("module"), error.get("type")) if part and part != "builtins"
+        )
+        lines.append(
+            f"attempt {error.get('attempt', '?')} failed"
+            + (f" at {error['at']}" if error.get("at") else "")
+            + f": {kind or 'Error'}: {str(error.get('message', '')).partition(chr(10))[0]}"
+        )
+        if error.get("traceback"):
+            lines += _indented(str(error["traceback"]))
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    app = App(args.database_url, schema=args.schema)
+    with app.connect() as conn:
+        if args.jobs_command == "list":
+            jobs = client.list_jobs(conn, app.schema, **_filters(args), limit=args.limit)
+            if args.json:
+                print(json.dumps([_job_dict(j) for j in jobs], default=str))
+                return 0
+            print(f"{'id':>8}  {'state':<10} {'queue':<12} {'attempts':>8}  task / last error")
+            for job in jobs:
+                print(
+                    f"{job.id:>8}  {job.state!s:<10} {job.queue:<12} "
+                    f"{job.attempts:>3}/{job.max_attempts:<4}  {job.task}"
+                    + (f"  [{job.last_error}]" if job.last_error else "")
+                )
+            return 0
+        if args.jobs_command == "show":
+            job = client.get_job(conn, app.schema, args.id)
+            if args.json:
+                print(json.dumps(_job_dict(job), indent=2, default=str))
+            else:
+                print("\n".join(job_view(job)))
+            return 0
+        return _jobs_change(args, conn, app.schema)
+    raise AssertionError(args.jobs_command)
+
+
+_CHANGES = {
+    "retry": (client.retry_jobs, "made available again"),
+    "cancel": (client.cancel_jobs, "cancelled"),
+    "delete": (client.delete_jobs, "deleted"),
+}
+
+
+def _jobs_change(args: argparse.Namespace, conn: psycopg.Connection[Any], schema: str) -> int:
+    """retry / cancel / delete: one job by id, or every job matching filters (--all),
+    after a confirmation unless --yes. Running jobs are never touched."""
+    change, done = _CHANGES[args.jobs_command]
+    if args.id is not None:
+        if args.all:
+            raise ConfigurationError("give a job id or --all with filters, not both")
+        if (
+            args.jobs_command == "cancel"
+            and client.get_job(conn, schema, args.id).state == "running"
+        ):
+            client.cancel_job(conn, schema, args.id)
+            conn.commit()
+            print(f"job {args.id} is running: its worker was asked to stop it (it ends cancelled)")
+            return 0
+        {"retry": client.retry_job, "cancel": client.cancel_job, "delete": client.delete_job}[
+            args.jobs_command
+        ](conn, schema, args.id)
+        conn.commit()
+        print(f"job {args.id} {done}")
+        return 0
+    if not args.all:
+        raise ConfigurationError(
+            f"`jobs {args.jobs_command}` needs a job id, or --all with filters "
+            "(--state, --queue, --task, --older-than)"
+        )
+    ids = client.select_job_ids(conn, schema, **_filters(args))
+    if not ids:
+        print("no jobs match")
+        return 0
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise ConfigurationError(
+                f"{len(ids)} jobs match; pass --yes to {args.jobs_command} them without a prompt"
+            )
+        answer = input(f"{args.jobs_command} {len(ids)} jobs? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing changed")
+            return 1
+    count = change(conn, schema, ids)
+    conn.commit()
+    print(
+        f"{count} of {len(ids)} jobs {done}"
+        + (" (the rest were running)" if count < len(ids) else "")
+    )
+    return 0

@@ -1,0 +1,102 @@
+"""``skiplock queues``: pause, resume, limit and list queues."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from skiplock import client
+from skiplock.app import App
+from skiplock.command_line import CONCURRENCY
+from skiplock.tasks import MAX_QUEUE_NAME, check_name, parse_rate
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("queues", help="pause, resume, limit and list queues")
+    queues = p.add_subparsers(dest="queues_command", required=True)
+    for name, text in (
+        ("pause", "stop claiming from a queue (running jobs finish)"),
+        ("resume", "claim from a paused queue again"),
+    ):
+        q = queues.add_parser(name, help=text)
+        q.add_argument("queue")
+    q = queues.add_parser(
+        "limit",
+        help="limit a queue across all workers (no options: remove its limits)",
+    )
+    q.add_argument("queue")
+    q.add_argument("--concurrency", type=CONCURRENCY, help="at most this many jobs running at once")
+    q.add_argument("--rate", help="at most this many jobs started per period: 100/s, 600/minute")
+    queues.add_parser("list", help="list paused and limited queues")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    app = App(args.database_url, schema=args.schema)
+    with app.connect(autocommit=True) as conn:
+        if args.queues_command == "list":
+            stats = client.queue_stats(conn, app.schema)
+            settings = client.list_queues(conn, app.schema)
+            print("\n".join(queue_table(stats, settings)))
+            return 0
+        check_name("queue", args.queue, MAX_QUEUE_NAME)
+        if args.queues_command == "limit":
+            rate = parse_rate(args.rate) if args.rate else None
+            client.set_queue_limits(
+                conn, app.schema, args.queue, concurrency=args.concurrency, rate=rate
+            )
+            if args.concurrency is None and rate is None:
+                print(f"queue {args.queue}: no limits")
+            else:
+                print(
+                    f"queue {args.queue}: "
+                    + ", ".join(
+                        ([f"at most {args.concurrency} running"] if args.concurrency else [])
+                        + ([f"at most {rate[0]} started per {rate[1]:g}s"] if rate else [])
+                    )
+                )
+            return 0
+        paused = args.queues_command == "pause"
+        client.set_queue_paused(conn, app.schema, args.queue, paused=paused)
+    print(f"queue {args.queue} {'paused: no new claims' if paused else 'resumed'}")
+    return 0
+
+
+def _limits_text(row: dict[str, Any]) -> str:
+    limits = []
+    if row.get("concurrency_limit") is not None:
+        limits.append(f"at most {row['concurrency_limit']} running")
+    if row.get("rate_limit") is not None:
+        limits.append(f"at most {row['rate_limit']} started per {row['rate_period']:g}s")
+    return ", ".join(limits)
+
+
+def queue_table(stats: list[dict[str, Any]], settings: list[dict[str, Any]]) -> list[str]:
+    """``queues list``: every queue that exists (it holds live jobs, a worker serves it,
+    or it has settings), whether paused, its live jobs, workers and limits. Pure."""
+    by_name = {row["queue"]: row for row in stats}
+    configured = {row["name"]: row for row in settings}
+    names = sorted(set(by_name) | set(configured))
+    if not names:
+        return [
+            "no queues yet: a queue exists once a job is enqueued into it, a worker "
+            "serves it, or it is paused or limited"
+        ]
+    width = max(16, *(len(n) + 2 for n in names))
+    lines = [
+        f"{'queue':<{width}}{'state':<8}{'ready':>7}{'running':>9}{'live':>7}{'workers':>9}  limits"
+    ]
+    for name in names:
+        row = by_name.get(name, {})
+        setting = configured.get(name, {})
+        ready = row.get("available", 0)
+        live = sum(
+            row.get(k, 0)
+            for k in ("blocked", "available", "scheduled", "running", "retryable", "dead")
+        )
+        lines.append(
+            f"{name:<{width}}{'paused' if setting.get('paused') else 'active':<8}"
+            f"{ready:>7}{row.get('running', 0):>9}{live:>7}{row.get('workers', 0):>9}  "
+            + (_limits_text(setting) or "-")
+        )
+    return lines
