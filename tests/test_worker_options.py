@@ -132,3 +132,10 @@ def test_a_worker_takes_options_or_keywords_and_refuses_unknown_ones() -> None:
     assert skiplock.Worker(app, options, concurrency=5).options.concurrency == 5
     with pytest.raises(TypeError, match="unknown options concurency"):
         skiplock.Worker(app, concurency=4)
+
+
+def test_options_a_command_line_does_not_have_keep_their_defaults() -> None:
+    """A command that defines only some of the flags (or none) gets the defaults of the
+    rest, never None in their place."""
+    assert WorkerOptions.from_arguments({}, {}) == WorkerOptions()
+    assert WorkerOptions.from_arguments({"concurrency": 4}, {}) == WorkerOptions(concurrency=4)

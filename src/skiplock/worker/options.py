@@ -307,9 +307,12 @@ class WorkerOptions:
         cls, given: Mapping[str, Any], environ: Mapping[str, str], **others: Any
     ) -> WorkerOptions:
         """The options of a parsed command line (``vars(namespace)``, or Django's options
-        dict) that ``add_arguments`` defined; ``others`` (the queues) as they are."""
+        dict) that ``add_arguments`` defined; ``others`` (the queues) as they are. An
+        option whose flag ``given`` lacks keeps its default."""
         values = {
-            name: flag.value(given.get(flag.dest), environ) for name, flag in _flags().items()
+            name: flag.value(given[flag.dest], environ)
+            for name, flag in _flags().items()
+            if flag.dest in given
         }
         return cls(**values, **others)
 
