@@ -126,6 +126,19 @@ def test_status_notes_ready_jobs_with_no_worker_at_all(
     assert "0 workers" in lines
 
 
+def test_status_ignores_a_null_queue_in_a_hand_written_worker_row(
+    app: skiplock.App, make_job: JobFactory, run: Any
+) -> None:
+    make_job(queue="emails")
+    register_dead_worker(app, ["emails", None])  # type: ignore[list-item]
+
+    result = run("status", "--json")
+
+    assert result.code == 0
+    queues = [q["queue"] for q in json.loads(result.out)["queues"]]
+    assert queues == ["emails"]
+
+
 def test_plural() -> None:
     assert [plural(n, "worker") for n in (0, 1, 2)] == ["0 workers", "1 worker", "2 workers"]
 

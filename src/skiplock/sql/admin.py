@@ -174,6 +174,15 @@ LIVE_QUEUE_COUNTS = """
     GROUP BY queue
 """
 
+# Registered workers per queue they serve, shared like LIVE_QUEUE_COUNTS. A NULL in a
+# worker's queues (a row written by hand) serves no queue.
+SERVING_WORKERS = """
+    SELECT q AS queue, count(*) AS workers
+    FROM {workers}, unnest(queues) AS q
+    WHERE q IS NOT NULL
+    GROUP BY q
+"""
+
 # Monitoring figures per queue: LIVE_QUEUE_COUNTS with the last minute's. Failures in the
 # last minute are the error records stamped in it, on live jobs attempted
 # in that minute and on jobs finished in it.
@@ -197,9 +206,9 @@ WITH live AS (
     FROM recent
     GROUP BY queue
 ), serving AS (
-    SELECT q AS queue, count(*) AS workers
-    FROM {workers}, unnest(queues) AS q
-    GROUP BY q
+"""
+    + SERVING_WORKERS
+    + """
 )
 SELECT queue,
        coalesce(l.blocked, 0) AS blocked,

@@ -10,7 +10,7 @@ reads n rows however deep the page, where OFFSET would read and discard every ro
 it (a million on the last page of history).
 """
 
-from skiplock.sql.admin import LIVE_QUEUE_COUNTS
+from skiplock.sql.admin import LIVE_QUEUE_COUNTS, SERVING_WORKERS
 
 
 def _filters(time_column: str) -> str:
@@ -133,11 +133,9 @@ WITH live AS (
 """
     + LIVE_QUEUE_COUNTS
     + """), serving AS (
-    -- A NULL in a worker's queues (a row written by hand) serves no queue.
-    SELECT q AS queue, count(*) AS workers
-    FROM {workers}, unnest(queues) AS q
-    WHERE q IS NOT NULL
-    GROUP BY q
+"""
+    + SERVING_WORKERS
+    + """
 )
 SELECT queue,
        coalesce(l.blocked, 0) AS blocked,
