@@ -2,9 +2,9 @@
 
 Admission (decisions 011 and 017, sql/keys.py) is one set-based statement for the keys
 asked about (ADMIT_KEYS_CHUNK at a time), so a single value the database refuses (a row
-a constraint added later rejects, a unique index hand-written rows already fill) used to
-fail the statement for every key, on every pass, forever. Here the set-based statement
-is tried first, as before; when it raises a data or integrity error, the keys are
+a constraint added later rejects, a unique index hand-written rows already fill) would
+fail the statement for every key, on every pass, forever. So the set-based statement
+is tried first; when it raises a data or integrity error, the keys are
 bisected, each half in a transaction of its own, down to the keys that fail alone. A key
 that fails alone is tried job by job from the head of its line (ADMIT_HEADS), and a head
 that cannot be admitted even alone is the row at fault: it ends dead with the database's

@@ -78,7 +78,7 @@ SELECT id FROM {jobs} WHERE ordering_key = %(key)s AND state = 'blocked' ORDER B
 """
 
 # A waiting job that could not be admitted even alone ends dead, with the reason among
-# its errors (it used to stop admission for every key). Fenced on 'blocked': a job
+# its errors, so that it does not stop admission for every key. Fenced on 'blocked': a job
 # cancelled or admitted meanwhile is left alone. Its key's trigger asks for the key again.
 JOB_DEAD_IF_WAITING = """
 UPDATE {jobs}
