@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # (async source, generated sync twin), relative to the repository's root.
 PAIRS = [
     ("src/skiplock/client/database_async.py", "src/skiplock/client/database.py"),
+    ("src/skiplock/admin_async.py", "src/skiplock/admin.py"),
 ]
 
 # Names the suffix and prefix rules do not turn into their sync twins.

@@ -178,7 +178,7 @@ def insert_jobs(
 
 
 def get_job(conn: Conn, schema: str, job_id: int) -> Job:
-    """One live job by id; JobNotFoundError when there is none."""
+    """One job by id, live or from history; JobNotFoundError when there is none."""
     with conn.cursor(row_factory=dict_row) as cur:
         cur.execute(render(admin.JOB_GET, schema), {"id": job_id})
         row = cur.fetchone()

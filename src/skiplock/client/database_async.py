@@ -178,7 +178,7 @@ async def insert_jobs_async(
 
 
 async def get_job_async(conn: AsyncConn, schema: str, job_id: int) -> Job:
-    """One live job by id; JobNotFoundError when there is none."""
+    """One job by id, live or from history; JobNotFoundError when there is none."""
     async with conn.cursor(row_factory=dict_row) as cur:
         await cur.execute(render(admin.JOB_GET, schema), {"id": job_id})
         row = await cur.fetchone()
