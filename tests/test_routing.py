@@ -188,14 +188,14 @@ def test_each_database_gets_the_periodic_tasks_of_its_queues() -> None:
     @app.periodic("* * * * *", name="routing.cleanup")
     def cleanup() -> None: ...
 
-    main, reports = (app.for_database(url) for url in app.databases())
+    main, reports = (app._for_database(url) for url in app.databases())
 
     assert app.databases() == ["postgresql:///main", "postgresql:///r"]
     assert list(main.periodics) == ["routing.cleanup"]
     assert list(reports.periodics) == ["routing.nightly_report"]
     assert reports.tasks is app.tasks and not reports.queue_databases
     with pytest.raises(ConfigurationError, match="not a database of this App"):
-        app.for_database("postgresql:///elsewhere")
+        app._for_database("postgresql:///elsewhere")
 
 
 def test_urls_are_the_same_database_when_their_servers_say_so() -> None:
