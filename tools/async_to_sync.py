@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAIRS = [
     ("src/skiplock/client/database_async.py", "src/skiplock/client/database.py"),
     ("src/skiplock/admin_async.py", "src/skiplock/admin.py"),
+    ("src/skiplock/testing/running_async.py", "src/skiplock/testing/running.py"),
 ]
 
 # Names the suffix and prefix rules do not turn into their sync twins.
