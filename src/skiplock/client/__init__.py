@@ -46,11 +46,15 @@ from skiplock.client.database_async import (
     set_queue_paused_async,
 )
 from skiplock.client.params import COPY_CHUNK_ROWS, UniqueKey, job_from_row
+from skiplock.tasks import JobSpec
+from skiplock.types import Job
 
 __all__ = [
     "COPY_CHUNK_ROWS",
     "AsyncConn",
     "Conn",
+    "Job",
+    "JobSpec",
     "UniqueKey",
     "cancel_job",
     "cancel_job_async",
