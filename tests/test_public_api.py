@@ -7,7 +7,9 @@ import types
 import skiplock
 
 PUBLIC = [
+    "Admin",
     "App",
+    "AsyncAdmin",
     "ClaimedJob",
     "ConfigurationError",
     "EnqueueError",

@@ -188,14 +188,34 @@ def test_each_database_gets_the_periodic_tasks_of_its_queues() -> None:
     @app.periodic("* * * * *", name="routing.cleanup")
     def cleanup() -> None: ...
 
-    main, reports = (app.for_database(url) for url in app.databases())
+    main, reports = (app._for_database(url) for url in app.databases())
 
     assert app.databases() == ["postgresql:///main", "postgresql:///r"]
     assert list(main.periodics) == ["routing.cleanup"]
     assert list(reports.periodics) == ["routing.nightly_report"]
     assert reports.tasks is app.tasks and not reports.queue_databases
     with pytest.raises(ConfigurationError, match="not a database of this App"):
-        app.for_database("postgresql:///elsewhere")
+        app._for_database("postgresql:///elsewhere")
+
+
+def test_a_worker_refuses_queues_that_live_on_another_database() -> None:
+    app = skiplock.App("postgresql:///main", queue_databases={"reports": "postgresql:///r"})
+
+    @app.periodic("* * * * *", queue="reports", name="routing.nightly_report")
+    def nightly() -> None: ...
+
+    @app.periodic("* * * * *", name="routing.cleanup")
+    def cleanup() -> None: ...
+
+    with pytest.raises(ConfigurationError) as refused:
+        skiplock.Worker(app, queues=["default", "reports"])
+    assert "queues 'reports' live on other databases" in str(refused.value)
+    assert "skiplock.worker.routed.RoutedWorker" in str(refused.value)
+
+    # Its queues all on database_url: it serves them, and ticks only their schedules.
+    worker = skiplock.Worker(app, queues=["default"])
+    assert worker.app.database_url == "postgresql:///main"
+    assert list(worker.app.periodics) == ["routing.cleanup"]
 
 
 def test_urls_are_the_same_database_when_their_servers_say_so() -> None:

@@ -3,6 +3,8 @@
 Enqueue in your own transaction; workers claim with FOR UPDATE SKIP LOCKED.
 """
 
+from skiplock.admin import Admin
+from skiplock.admin_async import AsyncAdmin
 from skiplock.app import App
 from skiplock.context import cancel_requested, current_job, set_progress
 from skiplock.errors import (
@@ -23,7 +25,9 @@ from skiplock.types import ClaimedJob, Job, JobState
 from skiplock.worker import Worker, WorkerOptions
 
 __all__ = [
+    "Admin",
     "App",
+    "AsyncAdmin",
     "ClaimedJob",
     "ConfigurationError",
     "EnqueueError",

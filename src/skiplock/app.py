@@ -171,7 +171,7 @@ class App:
         """Database URL -> the given queues that live there, ``database_url`` first."""
         return routing.group_queues(queues, self.database_url, self.queue_databases)
 
-    def for_database(self, url: str) -> App:
+    def _for_database(self, url: str) -> App:
         """This App bound to one of its databases alone, for a worker or a command that
         serves that database: the same tasks (shared), schema and tracing, no routes,
         and the periodic tasks whose queue lives there (so each database's workers
@@ -194,7 +194,7 @@ class App:
             return self
         bound = self._bound.get(url)
         if bound is None:
-            bound = self._bound[url] = self.for_database(url)
+            bound = self._bound[url] = self._for_database(url)
         return bound
 
     def _route(self, conn: psycopg.Connection[Any], queues: Sequence[str]) -> str:
@@ -249,7 +249,7 @@ class App:
             send.sent(ids)
             return ids
 
-    def enqueue_spec(self, conn: psycopg.Connection[Any], spec: JobSpec) -> JobRef:
+    def _enqueue_spec(self, conn: psycopg.Connection[Any], spec: JobSpec) -> JobRef:
         """Insert one validated job in ``conn``'s transaction (what ``Task.enqueue`` calls)."""
         owner = self
         if self.queue_databases:
@@ -262,7 +262,9 @@ class App:
             send.sent([job_id], duplicate=not inserted)
         return JobRef(job_id, owner, duplicate=not inserted)
 
-    async def enqueue_spec_async(self, conn: psycopg.AsyncConnection[Any], spec: JobSpec) -> JobRef:
+    async def _enqueue_spec_async(
+        self, conn: psycopg.AsyncConnection[Any], spec: JobSpec
+    ) -> JobRef:
         owner = self
         if self.queue_databases:
             owner = self._result_app(await self._route_async(conn, [spec.queue]))

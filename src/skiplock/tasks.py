@@ -655,7 +655,7 @@ class TaskCall(Generic[R]):
 
     # The App writes the job: tasks sit below client and app and never import them.
     def enqueue(self, conn: psycopg.Connection[Any], /, **args: Any) -> JobRef:
-        return self.task.app.enqueue_spec(conn, self.job(**args))
+        return self.task.app._enqueue_spec(conn, self.job(**args))
 
     async def enqueue_async(self, conn: psycopg.AsyncConnection[Any], /, **args: Any) -> JobRef:
-        return await self.task.app.enqueue_spec_async(conn, self.job(**args))
+        return await self.task.app._enqueue_spec_async(conn, self.job(**args))

@@ -35,7 +35,7 @@ def each_database(args: argparse.Namespace) -> list[App]:
         return [App(args.database_url, schema=args.schema)]
     app = app_from_args(args)
     check_one_database(getattr(args, "read_url", None) or os.environ.get(READ_URL_ENV), app)
-    return [app.for_database(url) for url in app.databases()]
+    return [app._for_database(url) for url in app.databases()]
 
 
 def read_from_replica(args: argparse.Namespace) -> None:

@@ -9,9 +9,7 @@ import sys
 from datetime import datetime
 from typing import Any
 
-import psycopg
-
-from skiplock import client
+from skiplock.admin import Admin
 from skiplock.app import App
 from skiplock.command_line import JOB_ID, count, seconds
 from skiplock.errors import ConfigurationError
@@ -131,9 +129,10 @@ def job_view(job: Job) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     app = App(args.database_url, schema=args.schema)
-    with app.connect() as conn:
+    with app.connect(autocommit=True) as conn:
+        admin = Admin(app, conn)
         if args.jobs_command == "list":
-            jobs = client.list_jobs(conn, app.schema, **_filters(args), limit=args.limit)
+            jobs = admin.list_jobs(**_filters(args), limit=args.limit)
             if args.json:
                 print(json.dumps([_job_dict(j) for j in jobs], default=str))
                 return 0
@@ -146,64 +145,56 @@ def run(args: argparse.Namespace) -> int:
                 )
             return 0
         if args.jobs_command == "show":
-            job = client.get_job(conn, app.schema, args.id)
+            job = admin.get_job(args.id)
             if args.json:
                 print(json.dumps(_job_dict(job), indent=2, default=str))
             else:
                 print("\n".join(job_view(job)))
             return 0
-        return _jobs_change(args, conn, app.schema)
+        return _jobs_change(args, admin)
     raise AssertionError(args.jobs_command)
 
 
-_CHANGES = {
-    "retry": (client.retry_jobs, "made available again"),
-    "cancel": (client.cancel_jobs, "cancelled"),
-    "delete": (client.delete_jobs, "deleted"),
-}
+_DONE = {"retry": "made available again", "cancel": "cancelled", "delete": "deleted"}
 
 
-def _jobs_change(args: argparse.Namespace, conn: psycopg.Connection[Any], schema: str) -> int:
+def _jobs_change(args: argparse.Namespace, admin: Admin) -> int:
     """retry / cancel / delete: one job by id, or every job matching filters (--all),
-    after a confirmation unless --yes. Running jobs are never touched."""
-    change, done = _CHANGES[args.jobs_command]
+    after a confirmation unless --yes. Running jobs are never retried or deleted; a
+    running job cancelled is asked to stop."""
+    command, done = args.jobs_command, _DONE[args.jobs_command]
     if args.id is not None:
         if args.all:
             raise ConfigurationError("give a job id or --all with filters, not both")
-        if (
-            args.jobs_command == "cancel"
-            and client.get_job(conn, schema, args.id).state == "running"
-        ):
-            client.cancel_job(conn, schema, args.id)
-            conn.commit()
+        if command == "cancel" and admin.get_job(args.id).state == "running":
+            admin.cancel_job(args.id)
             print(f"job {args.id} is running: its worker was asked to stop it (it ends cancelled)")
             return 0
-        {"retry": client.retry_job, "cancel": client.cancel_job, "delete": client.delete_job}[
-            args.jobs_command
-        ](conn, schema, args.id)
-        conn.commit()
+        {"retry": admin.retry_job, "cancel": admin.cancel_job, "delete": admin.delete_job}[command](
+            args.id
+        )
         print(f"job {args.id} {done}")
         return 0
     if not args.all:
         raise ConfigurationError(
-            f"`jobs {args.jobs_command}` needs a job id, or --all with filters "
+            f"`jobs {command}` needs a job id, or --all with filters "
             "(--state, --queue, --task, --older-than)"
         )
-    ids = client.select_job_ids(conn, schema, **_filters(args))
+    ids = admin.job_ids(**_filters(args))
     if not ids:
         print("no jobs match")
         return 0
     if not args.yes:
         if not sys.stdin.isatty():
             raise ConfigurationError(
-                f"{len(ids)} jobs match; pass --yes to {args.jobs_command} them without a prompt"
+                f"{len(ids)} jobs match; pass --yes to {command} them without a prompt"
             )
-        answer = input(f"{args.jobs_command} {len(ids)} jobs? [y/N] ")
+        answer = input(f"{command} {len(ids)} jobs? [y/N] ")
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing changed")
             return 1
-    count = change(conn, schema, ids)
-    conn.commit()
+    change = {"retry": admin.retry_jobs, "cancel": admin.cancel_jobs, "delete": admin.delete_jobs}
+    count = change[command](ids)
     print(
         f"{count} of {len(ids)} jobs {done}"
         + (" (the rest were running)" if count < len(ids) else "")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from skiplock import client
+from skiplock.admin import Admin
 from skiplock.app import App
 from skiplock.command_line import CONCURRENCY
-from skiplock.tasks import MAX_QUEUE_NAME, check_name, parse_rate
+from skiplock.tasks import parse_rate
 
 
 def add_parser(sub: Any) -> None:
@@ -34,17 +34,13 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     app = App(args.database_url, schema=args.schema)
     with app.connect(autocommit=True) as conn:
+        admin = Admin(app, conn)
         if args.queues_command == "list":
-            stats = client.queue_stats(conn, app.schema)
-            settings = client.list_queues(conn, app.schema)
-            print("\n".join(queue_table(stats, settings)))
+            print("\n".join(queue_table(admin.queue_stats(), admin.queue_settings())))
             return 0
-        check_name("queue", args.queue, MAX_QUEUE_NAME)
         if args.queues_command == "limit":
             rate = parse_rate(args.rate) if args.rate else None
-            client.set_queue_limits(
-                conn, app.schema, args.queue, concurrency=args.concurrency, rate=rate
-            )
+            admin.set_queue_limits(args.queue, concurrency=args.concurrency, rate=rate)
             if args.concurrency is None and rate is None:
                 print(f"queue {args.queue}: no limits")
             else:
@@ -57,7 +53,10 @@ def run(args: argparse.Namespace) -> int:
                 )
             return 0
         paused = args.queues_command == "pause"
-        client.set_queue_paused(conn, app.schema, args.queue, paused=paused)
+        if paused:
+            admin.pause_queue(args.queue)
+        else:
+            admin.resume_queue(args.queue)
     print(f"queue {args.queue} {'paused: no new claims' if paused else 'resumed'}")
     return 0
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import psycopg
 
-from skiplock import client, routing
+from skiplock import routing
+from skiplock.admin import Admin
 from skiplock.app import App
 from skiplock.cli.databases import each_database
 from skiplock.command_line import count, seconds
@@ -181,11 +182,12 @@ class _Section:
 
 
 def _read(app: App, conn: psycopg.Connection[Any], *, several: bool) -> _Section:
-    queues = client.queue_stats(conn, app.schema)
-    paused = set(client.paused_queues(conn, app.schema))
+    admin = Admin(app, conn)
+    queues = admin.queue_stats()
+    paused = set(admin.paused_queues())
     for row in queues:
         row["paused"] = row["queue"] in paused
-    workers = client.list_workers(conn, app.schema)
+    workers = admin.workers()
     where = routing.describe_url(app.database_url) if several else None
     if where is not None:  # which database each row is from
         for row in [*queues, *workers]:

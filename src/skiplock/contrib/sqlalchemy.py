@@ -141,7 +141,7 @@ def enqueue(session: Session | Connection, task: Enqueueable, /, **args: Any) ->
     anything is sent: ``EnqueueError`` names the one that does not fit."""
     spec = task.job(**args)
     app = _app_of(task)
-    return app.enqueue_spec(psycopg_connection(session), spec)
+    return app._enqueue_spec(psycopg_connection(session), spec)
 
 
 async def enqueue_async(
@@ -150,7 +150,7 @@ async def enqueue_async(
     """Async twin of ``enqueue``, for an ``AsyncSession``."""
     spec = task.job(**args)
     app = _app_of(task)
-    return await app.enqueue_spec_async(await psycopg_connection_async(session), spec)
+    return await app._enqueue_spec_async(await psycopg_connection_async(session), spec)
 
 
 def enqueue_many(

@@ -2,8 +2,8 @@
 
 Every page is a plain GET; its live part is re-fetched with ``?fragment=1`` by the page's
 script and swapped in, so nothing but a small vendored script runs in the browser. Every
-change is a POST through the same client functions the CLI uses (``client.retry_jobs``,
-``client.set_queue_paused``, ...), guarded by the checks of ``security`` and logged.
+change is a POST through skiplock.Admin, as the CLI's are (``retry_jobs``,
+``pause_queue``, ...), guarded by the checks of ``security`` and logged.
 
 Database work is synchronous psycopg on small pools, run in Starlette's thread pool. The
 pools open on first use, not at startup: mounted inside another application, this app's
@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode
 
 import jinja2
@@ -38,7 +38,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from skiplock import client
+from skiplock.admin import Admin
+from skiplock.app import App
 from skiplock.config import DEFAULT_SCHEMA, validate_schema
 from skiplock.dashboard import reads, security, values
 from skiplock.dashboard.databases import DB_PARAM, Database, dashboard_databases, pick_database
@@ -48,9 +49,6 @@ from skiplock.routing import describe_url, without_passwords
 from skiplock.sql import dashboard as dashboard_sql
 from skiplock.sql import render
 from skiplock.tasks import MAX_QUEUE_NAME, check_name, parse_rate
-
-if TYPE_CHECKING:
-    from skiplock.app import App
 
 log = logging.getLogger("skiplock.dashboard")
 T = TypeVar("T")
@@ -74,10 +72,11 @@ REPLICA_AFTER_CHANGE = (
     "the replica and refreshes by itself)."
 )
 _BULK = {
-    "retry": (client.retry_jobs, "made available again"),
-    "cancel": (client.cancel_jobs, "cancelled (running ones asked to stop)"),
-    "delete": (client.delete_jobs, "deleted"),
+    "retry": (Admin.retry_jobs, "made available again"),
+    "cancel": (Admin.cancel_jobs, "cancelled (running ones asked to stop)"),
+    "delete": (Admin.delete_jobs, "deleted"),
 }
+_SINGLE = {"retry": Admin.retry_job, "cancel": Admin.cancel_job, "delete": Admin.delete_job}
 
 
 class ForbiddenError(Exception):
@@ -174,6 +173,9 @@ class Dashboard:
         # statement of the dashboard can write there even if the URL is a primary.
         self._pools: dict[tuple[str, bool], ConnectionPool[psycopg.Connection[Any]]] = {}
         self._pool_lock = threading.Lock()
+        # What each database's Admin is built from: its URL and the schema, no routes
+        # (a request names its database, or pick_database finds its queue's).
+        self._apps = {d.url: App(d.url, schema=self.schema) for d in databases}
 
     @property
     def several(self) -> bool:
@@ -252,6 +254,11 @@ class Dashboard:
             state = replica_state(conn)
             return values.read_tolerantly(conn, work), state
 
+    def admin(self, database: Database, conn: psycopg.Connection[Any]) -> Admin:
+        """The admin operations of ``database`` on ``conn`` (its read or its change
+        connection)."""
+        return Admin(self._apps[database.url], conn)
+
     def change(self, database: Database, work: Callable[[psycopg.Connection[Any]], T]) -> T:
         """``work`` in one transaction on the primary, as the CLI runs its changes."""
         what = f"the database {database.label}"
@@ -266,7 +273,7 @@ class Dashboard:
         lives there."""
         if self.app is None or not self.several:
             return self.app
-        return self.app.for_database(database.url)
+        return self.app._for_database(database.url)
 
 
 def _why_unreachable(url: str) -> str:
@@ -549,18 +556,22 @@ class Pages:
         finished: list[dict[str, Any]] = []
         now: datetime | None = None
 
-        def work(conn: psycopg.Connection[Any]) -> dict[str, Any]:
-            return {
-                "now": reads.database_now(conn, schema),
-                "stats": reads.queue_counts(conn, schema),
-                "settings": client.list_queues(conn, schema),
-                "busy": dict(conn.execute(render(dashboard_sql.WORKER_BUSY, schema))),
-                "workers": client.list_workers(conn, schema),
-                "finished": reads.throughput_rows(conn, schema),
-            }
+        def reading(database: Database) -> Callable[[psycopg.Connection[Any]], dict[str, Any]]:
+            def work(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+                admin = dashboard.admin(database, conn)
+                return {
+                    "now": reads.database_now(conn, schema),
+                    "stats": reads.queue_counts(conn, schema),
+                    "settings": admin.queue_settings(),
+                    "busy": dict(conn.execute(render(dashboard_sql.WORKER_BUSY, schema))),
+                    "workers": admin.workers(),
+                    "finished": reads.throughput_rows(conn, schema),
+                }
+
+            return work
 
         for database in dashboard.databases:
-            found = await self.read(request, database, work)
+            found = await self.read(request, database, reading(database))
             now = now or found["now"]
             where = {"db": database.index, "database": database.label}
             rows = reads.queue_rows(found["stats"], found["settings"])
@@ -722,12 +733,10 @@ class Pages:
         if action not in JOB_ACTIONS:
             return self.error(request, 404, f"no action {action!r}: use retry, cancel or delete")
         database = self.database(request)
-        single = {"retry": client.retry_job, "cancel": client.cancel_job}.get(
-            action, client.delete_job
-        )
+        single = _SINGLE[action]
 
         def work(conn: psycopg.Connection[Any]) -> None:
-            single(conn, dashboard.schema, job_id)
+            single(dashboard.admin(database, conn), job_id)
 
         target = _first(fields, "next")
         try:
@@ -772,7 +781,7 @@ class Pages:
                 ids = chosen
             else:
                 ids = reads.matching_live_ids(conn, dashboard.schema, where)
-            return ids, (change(conn, dashboard.schema, ids) if ids else 0)
+            return ids, (change(dashboard.admin(database, conn), ids) if ids else 0)
 
         ids, count = await run_in_threadpool(dashboard.change, database, work)
         if not ids:
@@ -805,10 +814,11 @@ class Pages:
         target = _first(fields, "next")
         if action in ("pause", "resume"):
             paused = action == "pause"
+            pause_or_resume = Admin.pause_queue if paused else Admin.resume_queue
             await run_in_threadpool(
                 dashboard.change,
                 database,
-                lambda conn: client.set_queue_paused(conn, dashboard.schema, queue, paused=paused),
+                lambda conn: pause_or_resume(dashboard.admin(database, conn), queue),
             )
             log.info(
                 "dashboard %s queue %r%s by %s",
@@ -837,8 +847,8 @@ class Pages:
         await run_in_threadpool(
             dashboard.change,
             database,
-            lambda conn: client.set_queue_limits(
-                conn, dashboard.schema, queue, concurrency=concurrency, rate=rate
+            lambda conn: dashboard.admin(database, conn).set_queue_limits(
+                queue, concurrency=concurrency, rate=rate
             ),
         )
         log.info(

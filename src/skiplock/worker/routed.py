@@ -48,7 +48,7 @@ class RoutedWorker:
         self.app = app
         self._stop_requested = False
         self.workers = [
-            Worker(app.for_database(url), queues=served, **options)
+            Worker(app._for_database(url), queues=served, **options)
             for url, served in app.queues_by_database(queues).items()
         ]
 

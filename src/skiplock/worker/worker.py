@@ -20,6 +20,7 @@ import os
 import random
 import signal
 import socket
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 from uuid import UUID, uuid4
 
@@ -56,6 +57,23 @@ log = logging.getLogger("skiplock.worker")
 STARTUP_RETRY = RetryPolicy(base=0.5, factor=2.0, cap=15.0, jitter=0.5)
 
 
+def _serving_default_database(app: App, queues: Sequence[str]) -> App:
+    """A Worker serves one database: with routes, its queues must all live on the App's
+    database_url, and it runs as the App bound there (so that it ticks only the
+    schedules of queues on that database). Queues elsewhere are refused, naming the
+    worker that serves several databases."""
+    elsewhere = [queue for queue in queues if app.database_url_for(queue) != app.database_url]
+    if elsewhere:
+        names = ", ".join(repr(queue) for queue in elsewhere)
+        raise ConfigurationError(
+            f"queues {names} live on other databases of this App (queue_databases), and a "
+            "skiplock.Worker serves one database: run skiplock.worker.routed.RoutedWorker("
+            "app, queues=[...]) instead, a Worker per database in one process (as "
+            "`skiplock worker` does)"
+        )
+    return app._for_database(app.database_url)
+
+
 class Worker:
     """Runs jobs from its queues, up to ``concurrency`` at a time in this process.
 
@@ -81,8 +99,11 @@ class Worker:
                     f"known: {', '.join(sorted(known))}"
                 )
             options = dataclasses.replace(options or WorkerOptions(), **fields)
+        options = options or WorkerOptions()
+        if app.queue_databases:
+            app = _serving_default_database(app, options.queues)
         self.app = app
-        self.options = options = options or WorkerOptions()
+        self.options = options
         self.metrics = metrics or NullMetrics()
         # The options as they apply together (options.py).
         self.queues = list(options.queues)
