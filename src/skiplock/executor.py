@@ -631,10 +631,15 @@ async def _charge_async(
 
 
 def _charge_sync(
-    app: App, conn: psycopg.Connection[Any] | None, job: ClaimedJob, reason: str
+    app: App,
+    conn: psycopg.Connection[Any] | None,
+    job: ClaimedJob,
+    reason: str,
+    rng: random.Random,
+    clock: Clock,
 ) -> bool:
     """Count a lost attempt (see JOB_CHARGE_LOST_ATTEMPT); True when it was counted now."""
-    step = _charge_step(app, job, reason, utcnow(), random.Random())
+    step = _charge_step(app, job, reason, clock(), rng)
     try:
         if conn is not None and not conn.broken and not conn.closed:
             return conn.execute(*step).fetchone() is not None
@@ -745,6 +750,8 @@ def run_transactional_sync(
     traced: _TracedAttempt | None = None
     try:
         with conn.transaction():
+            # The handler's own writes commit with the job: they must be durable.
+            conn.execute(render(complete.DURABLE_COMMIT_ON, app.schema))
             rows = conn.execute(
                 render(claim.JOB_LOCK_BATCH, app.schema), _lock_params(queue, tasks, limit)
             ).fetchall()
@@ -834,6 +841,6 @@ def run_transactional_sync(
         if traced is not None:
             traced.abort(exc)
         if running is not None:
-            _charge_sync(app, conn, running, _lost_reason(exc))
+            _charge_sync(app, conn, running, _lost_reason(exc), rng, clock)
         raise
     return finished
