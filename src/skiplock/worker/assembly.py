@@ -175,7 +175,7 @@ class Parts:
             worker.stats,
             worker.metrics,
             lease_seconds=options.lease_seconds,
-            gate=self.gate,
+            permits=self.gate,
             rng=worker.rng,
             ahead=self.ahead,
         )
@@ -191,7 +191,11 @@ class Parts:
     def _hearing(self) -> None:
         worker, connections = self.worker, self.worker.connections
         self.cancels = CancelRequests(
-            self.pools.claims, self.schema, worker.id, leased=self.jobs.held, cancel=self.cancel
+            self.pools.claims,
+            self.schema,
+            worker.id,
+            attempt_of=self.jobs.running_jobs.attempt_of,
+            cancel=self.cancel,
         )
         self.listener = Listener(
             connections.dedicated_url,
@@ -257,7 +261,7 @@ class Parts:
         self.heartbeat = self._heartbeat(heartbeat_every, tick)
         if self.ahead is not None:
             self.jobs.starts = StartRecorder(
-                self.pools.claims, self.schema, worker.id, self.jobs.held
+                self.pools.claims, self.schema, worker.id, self.jobs.running_jobs.attempt_of
             )
         # Started once the liveness lock is held: until then a rescuer would take this
         # worker for dead, drop its registration and hand its jobs on, and an elected
@@ -309,8 +313,7 @@ class Parts:
             every=every,
             tick=tick,
             registration=worker.registration,
-            leased=jobs.held,
-            take_progress=jobs.take_progress,
+            running=jobs.running_jobs,
             request_cancel=jobs.request_cancel,
             on_lost=jobs.lost,
             on_connect=self.liveness,
