@@ -25,7 +25,6 @@ from typing import Any
 import psycopg
 
 from skiplock.app import App
-from skiplock.completer import Outcome
 from skiplock.config import done_channel
 from skiplock.context import CancelFlag, set_current_job
 from skiplock.errors import (
@@ -34,6 +33,7 @@ from skiplock.errors import (
     Snooze,
     UnknownTaskError,
 )
+from skiplock.outcomes import Completed, Outcome, Snoozed, failed, locked_write
 from skiplock.retry import RetryPolicy, decide_failure, retry_at_from
 from skiplock.sql import claim, complete, render
 from skiplock.storable import encode_result, storable_message, storable_text
@@ -167,7 +167,7 @@ def failure_outcome(
     try:
         if isinstance(exc, Snooze):
             until = max(requested_time(exc.after, now, "Snooze"), now)
-            return Outcome(job_id, attempt, snooze=True, delay=(until - now).total_seconds())
+            return Snoozed(job_id, attempt, delay=(until - now).total_seconds())
         if isinstance(exc, Retry):
             retry_at = requested_time(exc.after, now, "Retry")
     except OutcomeNotStorableError as refused:
@@ -181,10 +181,10 @@ def failure_outcome(
         rng=rng,
         retry_at=retry_at,
     )
-    return Outcome(
-        job_id=job_id,
-        attempt=attempt,
-        error=error_record(exc, attempt, now),
+    return failed(
+        job_id,
+        attempt,
+        error_record(exc, attempt, now),
         dead=decision.dead,
         delay=(decision.run_at - now).total_seconds(),
     )
@@ -197,10 +197,10 @@ def last_resort_outcome(
     encode_result raised): a failed attempt whose record says what went wrong. Built from
     values known to be storable, with the default back-off, so it cannot fail in turn."""
     dead = attempt >= job.max_attempts
-    return Outcome(
-        job_id=job.id,
-        attempt=attempt,
-        error={
+    return failed(
+        job.id,
+        attempt,
+        {
             "attempt": attempt,
             "at": now.isoformat(),
             "type": "OutcomeNotStorableError",
@@ -252,7 +252,7 @@ async def run_leased(
                 result = await loop.run_in_executor(
                     threads, partial(context.run, task.fn, **job.args)
                 )
-                return Outcome(job.id, job.attempts, result_json=encode_result(result))
+                return Completed(job.id, job.attempts, encode_result(result))
             started: asyncio.Future[None] = loop.create_future()
 
             def call() -> Any:
@@ -275,7 +275,7 @@ async def run_leased(
                     on_abandoned(future)
                 raise
         # Inside the try: a value PostgreSQL cannot store fails this attempt, here.
-        return Outcome(job.id, job.attempts, result_json=encode_result(result))
+        return Completed(job.id, job.attempts, encode_result(result))
     except TimeoutError:
         exc: BaseException = JobTimeoutError(f"{job.task} exceeded its timeout")
     except UnknownTaskError as unknown:
@@ -306,47 +306,27 @@ async def run_leased(
 Step = tuple[str, dict[str, Any]]
 
 
-def _completion_step(app: App, job: ClaimedJob, result: object) -> Step:
-    """The statement completing a transactional job; raises ResultNotStorableError."""
-    return render(complete.JOB_COMPLETE_LOCKED, app.schema), {
-        "id": job.id,
-        "result": encode_result(result),
-    }
+def _completion(job: ClaimedJob, result: object) -> Completed:
+    """A transactional job's completion; raises ResultNotStorableError."""
+    return Completed(job.id, job.attempts + 1, encode_result(result))
 
 
-def _failure_step(
+def _failure(
     app: App, job: ClaimedJob, exc: BaseException, now: datetime, rng: random.Random
-) -> Step:
-    """The statement recording a transactional job's failed attempt (or its snooze)."""
+) -> Outcome:
+    """A transactional job's failed attempt (or its snooze)."""
     attempt = job.attempts + 1
     try:
         policy = app.tasks[job.task].options.retry
-        outcome = failure_outcome(job.id, attempt, job.max_attempts, policy, exc, now, rng)
+        return failure_outcome(job.id, attempt, job.max_attempts, policy, exc, now, rng)
     except Exception as problem:
         log.exception("job %s: its failure could not be recorded as raised", job.id)
-        outcome = last_resort_outcome(job, attempt, problem, now, rng)
-    if outcome.snooze:
-        return render(complete.JOB_SNOOZE_LOCKED, app.schema), {
-            "id": job.id,
-            "delay": outcome.delay,
-        }
-    return _fail_locked(app, outcome)
+        return last_resort_outcome(job, attempt, problem, now, rng)
 
 
-def _refused_step(
-    app: App, job: ClaimedJob, refused: BaseException, now: datetime, rng: random.Random
-) -> Step:
+def _refused(job: ClaimedJob, refused: BaseException, now: datetime, rng: random.Random) -> Outcome:
     """The failure written when the failure itself was refused: storable by construction."""
-    return _fail_locked(app, last_resort_outcome(job, job.attempts + 1, refused, now, rng))
-
-
-def _fail_locked(app: App, outcome: Outcome) -> Step:
-    return render(complete.JOB_FAIL_LOCKED, app.schema), {
-        "id": outcome.job_id,
-        "dead": outcome.dead,
-        "delay": outcome.delay,
-        "error": json.dumps(outcome.error),
-    }
+    return last_resort_outcome(job, job.attempts + 1, refused, now, rng)
 
 
 def _charge_step(app: App, job: ClaimedJob, reason: str, now: datetime, rng: random.Random) -> Step:
@@ -372,19 +352,6 @@ def _lost_reason(exc: BaseException) -> str:
         "the job's session ended while it ran, rolling back its transaction "
         f"({type(exc).__qualname__}: {storable_message(exc)}); the attempt is counted"
     )
-
-
-def _error(statement: str, params: dict[str, Any]) -> dict[str, Any] | None:
-    """The error record a transactional failure step writes (for the worker's log)."""
-    encoded = params.get("error")
-    return json.loads(encoded) if isinstance(encoded, str) else None
-
-
-def _kind(statement: str, params: dict[str, Any]) -> str:
-    """The outcome word (as Outcome.kind) of a transactional step, for metrics."""
-    if "error" in params:
-        return "dead" if params["dead"] else "retried"
-    return "completed" if "result" in params else "snoozed"
 
 
 class _TracedAttempt:
@@ -542,7 +509,7 @@ async def run_transactional_async(
                 set_current_job(job)
                 traced = None if app.tracing is None else _TracedAttempt(app.tracing, job)
                 started = time.perf_counter()
-                step: Step | None = None
+                outcome: Outcome | None = None
                 try:
                     if job.args_error is not None:
                         raise ArgumentsError(job.args_error)
@@ -562,8 +529,8 @@ async def run_transactional_async(
                                 if session.cancelling():
                                     session.uncancel()
                                 raise CutShortError(_CUT_REASON)
-                        step = _completion_step(app, job, result)
-                        await conn.execute(*step)
+                        outcome = _completion(job, result)
+                        await conn.execute(*locked_write(app.schema, outcome))
                 except (CutShortError, _NotStartedError) as stopped:
                     set_current_job(None)
                     running = None
@@ -582,22 +549,22 @@ async def run_transactional_async(
                 if exc is not None:
                     if conn.broken:
                         raise exc
-                    step = _failure_step(app, job, exc, clock(), rng)
+                    outcome = _failure(app, job, exc, clock(), rng)
                     try:
                         async with conn.transaction():
-                            await conn.execute(*step)
+                            await conn.execute(*locked_write(app.schema, outcome))
                     except psycopg.Error as refused:
                         if conn.broken:
                             raise
-                        step = _refused_step(app, job, refused, clock(), rng)
-                        await conn.execute(*step)
-                assert step is not None
+                        outcome = _refused(job, refused, clock(), rng)
+                        await conn.execute(*locked_write(app.schema, outcome))
+                assert outcome is not None
                 running = None
                 finished += 1
                 if traced is not None:
-                    traced.end(_kind(*step), _error(*step))
+                    traced.end(outcome.kind, outcome.error)
                     traced = None
-                on_finished(job, _kind(*step), time.perf_counter() - started, _error(*step))
+                on_finished(job, outcome.kind, time.perf_counter() - started, outcome.error)
             if jobs:
                 await conn.execute(*_done_notify(app))
     except Exception as exc:
@@ -771,7 +738,7 @@ def run_transactional_sync(
                         read = render(complete.SESSION_LIMITS_READ, app.schema)
                         session_limits = conn.execute(read).fetchone()
                     conn.execute(render(complete.SESSION_LIMIT, app.schema), _limit_params(timeout))
-                step: Step | None = None
+                outcome: Outcome | None = None
                 try:
                     if job.args_error is not None:
                         raise ArgumentsError(job.args_error)
@@ -788,8 +755,8 @@ def run_transactional_sync(
                             if stop.left():
                                 # Committed and closed for us (_cut_sync): touch nothing.
                                 raise CutShortError(_CUT_REASON)
-                        step = _completion_step(app, job, result)
-                        conn.execute(*step)
+                        outcome = _completion(job, result)
+                        conn.execute(*locked_write(app.schema, outcome))
                 except CutShortError:
                     raise  # the batch is committed and closed for us
                 except _NotStartedError as unstarted:
@@ -805,15 +772,15 @@ def run_transactional_sync(
                 if exc is not None:
                     if conn.broken:
                         raise exc
-                    step = _failure_step(app, job, exc, clock(), rng)
+                    outcome = _failure(app, job, exc, clock(), rng)
                     try:
                         with conn.transaction():
-                            conn.execute(*step)
+                            conn.execute(*locked_write(app.schema, outcome))
                     except psycopg.Error as refused:
                         if conn.broken:
                             raise
-                        step = _refused_step(app, job, refused, clock(), rng)
-                        conn.execute(*step)
+                        outcome = _refused(job, refused, clock(), rng)
+                        conn.execute(*locked_write(app.schema, outcome))
                 if timeout is not None and session_limits is not None:
                     # Back to the session's own limits: the next job must not inherit these.
                     idle, statement = session_limits
@@ -821,13 +788,13 @@ def run_transactional_sync(
                         render(complete.SESSION_LIMIT, app.schema),
                         {"idle": idle, "statement": statement},
                     )
-                assert step is not None
+                assert outcome is not None
                 running = None
                 finished += 1
                 if traced is not None:
-                    traced.end(_kind(*step), _error(*step))
+                    traced.end(outcome.kind, outcome.error)
                     traced = None
-                on_finished(job, _kind(*step), time.perf_counter() - started, _error(*step))
+                on_finished(job, outcome.kind, time.perf_counter() - started, outcome.error)
             if jobs:
                 conn.execute(*_done_notify(app))
     except CutShortError as cut:

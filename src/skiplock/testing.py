@@ -28,7 +28,6 @@ from skiplock import client
 from skiplock.app import App
 from skiplock.completer import (
     REFUSED_BACKOFF,
-    Outcome,
     outcome_writes,
     refused_error,
     storable_outcome,
@@ -42,6 +41,7 @@ from skiplock.executor import (
     run_transactional_sync,
     utcnow,
 )
+from skiplock.outcomes import Completed, Outcome, failed
 from skiplock.sql import admin, claim, complete, render
 from skiplock.storable import encode_result
 from skiplock.tasks import JobSpec, Task, TaskCall
@@ -405,7 +405,7 @@ def perform_job(
     try:
         with conn.transaction():
             result_json = encode_result(plain.fn(conn, **job.args))
-        outcome = Outcome(job.id, job.attempts + 1, result_json=result_json)
+        outcome: Outcome = Completed(job.id, job.attempts + 1, result_json)
     except Exception as exc:
         outcome = _transactional_failure(plain, job, exc)
     finally:
@@ -433,7 +433,7 @@ async def perform_job_async(
         async with conn.transaction():
             coro = plain.fn(conn, **job.args)
             result_json = encode_result(await asyncio.wait_for(coro, plain.options.timeout))
-        outcome = Outcome(job.id, job.attempts + 1, result_json=result_json)
+        outcome: Outcome = Completed(job.id, job.attempts + 1, result_json)
     except Exception as exc:
         outcome = _transactional_failure(plain, job, exc)
     finally:
@@ -493,10 +493,8 @@ class _Drain:
         """The failed attempt recorded when PostgreSQL refused ``outcome`` (as the
         completer records it), and the statement that writes it."""
         error = refused_error(outcome, refusal, utcnow().isoformat())
-        failed = Outcome(
-            job.id, outcome.attempt, error=error, dead=job.attempts >= job.max_attempts
-        )
-        return failed, (
+        dead = job.attempts >= job.max_attempts
+        return failed(job.id, outcome.attempt, error, dead=dead, delay=0.0), (
             render(complete.JOB_FAIL_UNSTORABLE_IF_LEASED, self.app.schema),
             {
                 "id": job.id,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from skiplock.completer import Outcome
+from skiplock.outcomes import Outcome
 from skiplock.types import ClaimedJob
 
 jobs_log = logging.getLogger("skiplock.jobs")

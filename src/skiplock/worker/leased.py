@@ -20,9 +20,10 @@ from psycopg_pool import AsyncConnectionPool
 
 from skiplock import executor
 from skiplock.app import App
-from skiplock.completer import Completer, Outcome
+from skiplock.completer import Completer
 from skiplock.cursor import ClaimCursor
 from skiplock.metrics import NullMetrics
+from skiplock.outcomes import Cancelled, Outcome
 from skiplock.sql import claim, render
 from skiplock.worker import job_log
 from skiplock.worker.limits import QueueLimits
@@ -245,7 +246,7 @@ class LeasedJobs:
                     # Shutdown, the lease was lost, or given back unstarted: no outcome of
                     # ours to write.
                     raise
-                outcome = Outcome(job.id, job.attempts, cancelled=True)
+                outcome = Cancelled(job.id, job.attempts)
             self._ended(entry, outcome, time.perf_counter() - started)
         finally:
             self.running_jobs.finished(entry)
@@ -318,7 +319,7 @@ class LeasedJobs:
         if cancel.is_set() and not outcome.cancelled:
             # Asked to stop: however the handler ended (returning early, raising), the
             # job ends cancelled, as the requester was told.
-            outcome = Outcome(job.id, job.attempts, cancelled=True)
+            outcome = Cancelled(job.id, job.attempts)
         return outcome
 
     def _ended(self, entry: RunningJob, outcome: Outcome, seconds: float) -> None:
