@@ -44,9 +44,8 @@ from skiplock.types import ClaimedJob
 log = logging.getLogger("skiplock.executor")
 
 Clock = Callable[[], datetime]
-# Told of each transactional job's end: the job, its outcome word, the seconds it took,
-# and the error record written when it failed.
-Finished = Callable[[ClaimedJob, str, float, dict[str, Any] | None], None]
+# Told of each transactional job's end: the job, its outcome, and the seconds it took.
+Finished = Callable[[ClaimedJob, Outcome, float], None]
 MAX_TRACEBACK_CHARS = 20_000
 DEFAULT_POLICY = RetryPolicy()
 # The furthest a handler may put its job off (Retry/Snooze after=...): past this the
@@ -479,7 +478,7 @@ async def run_transactional_async(
     clock: Clock = utcnow,
     stop: BatchStop | None = None,
     on_claimed: Callable[[int], None] = lambda n: None,
-    on_finished: Finished = lambda job, kind, seconds, error: None,
+    on_finished: Finished = lambda job, outcome, seconds: None,
 ) -> int:
     """Claim, run and record up to ``limit`` async transactional jobs in one transaction.
 
@@ -564,7 +563,7 @@ async def run_transactional_async(
                 if traced is not None:
                     traced.end(outcome.kind, outcome.error)
                     traced = None
-                on_finished(job, outcome.kind, time.perf_counter() - started, outcome.error)
+                on_finished(job, outcome, time.perf_counter() - started)
             if jobs:
                 await conn.execute(*_done_notify(app))
     except Exception as exc:
@@ -706,7 +705,7 @@ def run_transactional_sync(
     clock: Clock = utcnow,
     stop: BatchStop | None = None,
     on_claimed: Callable[[int], None] = lambda n: None,
-    on_finished: Finished = lambda job, kind, seconds, error: None,
+    on_finished: Finished = lambda job, outcome, seconds: None,
 ) -> int:
     """Sync twin of ``run_transactional_async``, run in a worker thread. A task's timeout
     is enforced by the server (SESSION_LIMIT), for that job only. A cut cannot stop the
@@ -794,7 +793,7 @@ def run_transactional_sync(
                 if traced is not None:
                     traced.end(outcome.kind, outcome.error)
                     traced = None
-                on_finished(job, outcome.kind, time.perf_counter() - started, outcome.error)
+                on_finished(job, outcome, time.perf_counter() - started)
             if jobs:
                 conn.execute(*_done_notify(app))
     except CutShortError as cut:

@@ -651,7 +651,9 @@ def _drain_locked_one(conn: Conn, state: _Drain, queue: str) -> bool:
         tasks,
         1,
         rng=random.Random(),
-        on_finished=lambda job, kind, seconds, error: finished.append((job, kind, error)),
+        on_finished=lambda job, outcome, seconds: finished.append(
+            (job, outcome.kind, outcome.error)
+        ),
     )
     for job, kind, error in finished:
         row = client.get_job(conn, state.app.schema, job.id)
@@ -716,7 +718,9 @@ async def _drain_locked_one_async(conn: AsyncConn, state: _Drain, queue: str) ->
         tasks,
         1,
         rng=random.Random(),
-        on_finished=lambda job, kind, seconds, error: finished.append((job, kind, error)),
+        on_finished=lambda job, outcome, seconds: finished.append(
+            (job, outcome.kind, outcome.error)
+        ),
     )
     for job, kind, error in finished:
         row = await client.get_job_async(conn, state.app.schema, job.id)

@@ -22,15 +22,14 @@ from skiplock import executor
 from skiplock.app import App
 from skiplock.completer import Completer
 from skiplock.cursor import ClaimCursor
-from skiplock.metrics import NullMetrics
+from skiplock.events import EventStream
 from skiplock.outcomes import Cancelled, Outcome
 from skiplock.sql import claim, render
-from skiplock.worker import job_log
+from skiplock.types import ClaimedJob
 from skiplock.worker.limits import QueueLimits
 from skiplock.worker.producer import ClaimAhead, Fetch, Reservation, Slots
 from skiplock.worker.running import ClaimTimes, RunningJob, RunningJobs
 from skiplock.worker.starts import StartRecorder
-from skiplock.worker.stats import WorkerStats
 
 log = logging.getLogger("skiplock.worker")
 
@@ -62,8 +61,7 @@ class LeasedJobs:
         worker_id: UUID,
         limits: QueueLimits,
         completer: Completer,
-        stats: WorkerStats,
-        metrics: NullMetrics,
+        events: EventStream,
         *,
         lease_seconds: float,
         permits: asyncio.Semaphore | None,
@@ -74,8 +72,7 @@ class LeasedJobs:
         self._worker_id = worker_id
         self._limits = limits
         self.completer = completer
-        self._stats = stats
-        self._metrics = metrics
+        self._events = events
         self._lease_seconds = lease_seconds
         # With prefetch, jobs claimed beyond free capacity wait (leased and heartbeated)
         # for one of these run permits (RunningJobs.waiting). Past ahead.wait_bound() they
@@ -180,18 +177,13 @@ class LeasedJobs:
             self._release_permits(granted - len(rows))
             reservation.keep(len(rows))  # each job gives its slot back when it ends
             claimed = ClaimTimes(asked_at)
-            self._stats.claimed += len(rows)
-            if rows:
-                self._stats.claims += 1
-                self._stats.largest_claim = max(self._stats.largest_claim, len(rows))
-                self._metrics.claimed(queue, len(rows))
             # Columns 4, 5 and 0 are priority, run_at and id: the claim order. RETURNING
             # gives no order, and jobs claimed ahead start in the order they are created.
             positions = sorted((row[4], row[5], row[0], row) for row in rows)
             rows = [position[3] for position in positions]
             cursor.advance([position[:3] for position in positions])
-            told = job_log.told()
             register = self.running_jobs.claimed
+            jobs: list[ClaimedJob] = []
             for n, row in enumerate(rows):
                 job = executor.claimed_from_row(row)
                 run = partial(
@@ -203,11 +195,12 @@ class LeasedJobs:
                     keyed=marked and bool(row[10]),  # the marked claim says which
                 )
                 register(job, claimed, run)
-                if told:
-                    job_log.claimed(job)
+                jobs.append(job)
             # After the jobs are registered (the heartbeat lists them from there), before
             # their tasks first run.
             claimed.registered_at = time.monotonic()
+            if jobs:
+                self._events.claimed(queue, len(jobs), jobs)
             return len(rows) >= limit
 
         return fetch
@@ -284,7 +277,7 @@ class LeasedJobs:
         elif marked and self.starts is not None:
             self.starts.note(job.id, job.attempts)
         self.running_jobs.started(entry, asyncio.get_running_loop().time())
-        self._metrics.job_started(job, job.attempts)
+        self._events.started(job, job.attempts)
         return True
 
     async def _execute(
@@ -331,17 +324,14 @@ class LeasedJobs:
             outcome = dataclasses.replace(outcome, progress_json=progress)
         if self.ahead is not None:
             self.ahead.job_ended(seconds)
-        self._metrics.job_finished(job.queue, job.task, outcome.kind, seconds)
-        if outcome.error is not None:
-            self._metrics.job_failed(job.queue, job.task, outcome.error)
-        job_log.finished(job, outcome, seconds)
+        self._events.ended(job, outcome, seconds)
         if self.running_jobs.holds(entry):
             self.completer.add(outcome)
         elif self.running_jobs.get(job.id) is not None:
             # Given back while it ran and claimed again by this worker: the new claim
             # writes the attempt's outcome; this one must not (the fence could not tell
             # the two apart).
-            self._stats.lost_leases += 1
+            self._events.lost(job, job.attempts)
             log.warning(
                 "lost the lease of job %s attempt %s while it ran (given back and "
                 "claimed again); its outcome is dropped",
@@ -389,6 +379,7 @@ class LeasedJobs:
         if not batch:
             return None
         self.given_back += len(batch)
+        self._events.given_back(len(batch))
         write = asyncio.get_running_loop().create_task(self._write_give_back(batch))
         self._giving_back[write] = list(batch)
         write.add_done_callback(lambda done: self._giving_back.pop(done, None))
@@ -452,7 +443,7 @@ class LeasedJobs:
         lease runs out and it runs again."""
         job = entry.job
         if self._superseded(entry):
-            self._stats.lost_leases += 1
+            self._events.lost(job, job.attempts)
             return False
         if (
             self.starts is None
@@ -471,10 +462,10 @@ class LeasedJobs:
                     job.id,
                     exc,
                 )
-                self._stats.lost_leases += 1
+                self._events.lost(job, job.attempts)
                 return False
             if not ours:
-                self._stats.lost_leases += 1
+                self._events.lost(job, job.attempts)
                 log.warning(
                     "job %s attempt %s: given back while it waited for a slot (this "
                     "worker was out of touch); not starting it",
@@ -487,7 +478,7 @@ class LeasedJobs:
             # The yes is as old as the question: the worker stopped while it was on its
             # way, and the job may have been given back since. Ask again.
         else:
-            self._stats.lost_leases += 1
+            self._events.lost(job, job.attempts)
             log.warning(
                 "job %s attempt %s: every confirmation of its claim came late; not starting it",
                 job.id,
@@ -495,7 +486,7 @@ class LeasedJobs:
             )
             return False
         if self._superseded(entry):
-            self._stats.lost_leases += 1
+            self._events.lost(job, job.attempts)
             return False
         return True
 
@@ -528,7 +519,7 @@ class LeasedJobs:
                 job.id,
                 job.attempts,
             )
-        self._stats.lost_leases += 1
+        self._events.lost(job, job.attempts)
         return False
 
     def _superseded(self, entry: RunningJob) -> bool:
@@ -566,7 +557,7 @@ class LeasedJobs:
         """The heartbeat found ``entry``'s lease lost: its task is cancelled, no outcome."""
         if not self.running_jobs.lease_lost(entry):
             return
-        self._stats.lost_leases += 1
+        self._events.lost(entry.job, entry.attempt)
         log.warning("lost the lease of job %s attempt %s; cancelling it", entry.id, entry.attempt)
         entry.task.cancel()
 
