@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 from datetime import UTC, datetime
 from typing import Any
 
@@ -14,7 +15,9 @@ import pytest
 
 import skiplock
 from conftest import JobFactory
-from skiplock import executor
+from skiplock import client, executor
+from skiplock.outcomes import Completed, Outcome, Retried, Snoozed
+from skiplock.types import ClaimedJob
 
 MODES = ["async", "sync"]
 FIXED_NOW = datetime(2031, 3, 4, 5, 6, 7, tzinfo=UTC)
@@ -32,20 +35,19 @@ class CountingRandom(random.Random):
         return super().random()
 
 
-def run_batch(app: skiplock.App, mode: str, task: str, **kwargs: Any) -> int:
-    """One transactional batch of ``task`` through the ``mode`` driver, on a session with
-    synchronous_commit off (as a worker's pool sets it)."""
+def run_batch(app: skiplock.App, mode: str, task: str | list[str], **kwargs: Any) -> int:
+    """One transactional batch of ``task`` (or tasks) through the ``mode`` driver, on a
+    session with synchronous_commit off (as a worker's pool sets it)."""
     options = "-c synchronous_commit=off"
+    tasks = [task] if isinstance(task, str) else task
     if mode == "sync":
         with psycopg.connect(app.database_url, options=options) as conn:
-            return executor.run_transactional_sync(app, conn, "default", [task], 10, **kwargs)
+            return executor.run_transactional_sync(app, conn, "default", tasks, 10, **kwargs)
 
     async def run() -> int:
         conn = await psycopg.AsyncConnection.connect(app.database_url, options=options)
         async with conn:
-            return await executor.run_transactional_async(
-                app, conn, "default", [task], 10, **kwargs
-            )
+            return await executor.run_transactional_async(app, conn, "default", tasks, 10, **kwargs)
 
     return asyncio.run(run())
 
@@ -122,3 +124,94 @@ def test_a_lost_sessions_charge_uses_the_clock_and_random_source_given(
     assert error["type"] == "SessionLostError"
     assert error["at"] == FIXED_NOW.isoformat()
     assert rng.draws > 0, "the back-off's jitter comes from the random source given"
+
+
+def job_of(app: skiplock.App, job_id: int) -> skiplock.Job:
+    with psycopg.connect(app.database_url) as conn:
+        return client.get_job(conn, app.schema, job_id)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_outcome_reaches_its_row_and_is_told(
+    app: skiplock.App, make_job: JobFactory, mode: str
+) -> None:
+    """A completion, a failure and a snooze in one batch: each row as its outcome says,
+    the failing handler's own write rolled back, and each outcome told once, in order."""
+    with psycopg.connect(app.database_url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS twin_notes (note text)")
+        conn.execute("TRUNCATE twin_notes")
+    note = "INSERT INTO twin_notes VALUES (%s)"
+
+    def ok_sync(conn: Any) -> int:
+        conn.execute(note, ("ok",))
+        return 42
+
+    def fails_sync(conn: Any) -> None:
+        conn.execute(note, ("fails",))
+        raise ValueError("boom")
+
+    def snoozes_sync(conn: Any) -> None:
+        raise skiplock.Snooze(after=60)
+
+    async def ok_async(conn: Any) -> int:
+        await conn.execute(note, ("ok",))
+        return 42
+
+    async def fails_async(conn: Any) -> None:
+        await conn.execute(note, ("fails",))
+        raise ValueError("boom")
+
+    async def snoozes_async(conn: Any) -> None:
+        raise skiplock.Snooze(after=60)
+
+    bodies = {
+        "ok": (ok_sync, ok_async),
+        "fails": (fails_sync, fails_async),
+        "snoozes": (snoozes_sync, snoozes_async),
+    }
+    for name, (sync_body, async_body) in bodies.items():
+        register(app, mode, name, sync_body if mode == "sync" else async_body)
+    ids = {name: make_job(task=name) for name in bodies}
+    told: list[tuple[int, Outcome]] = []
+
+    def finished(job: ClaimedJob, outcome: Outcome, seconds: float) -> None:
+        told.append((job.id, outcome))
+
+    assert run_batch(app, mode, list(bodies), rng=random.Random(0), on_finished=finished) == 3
+    assert [(job_id, type(outcome)) for job_id, outcome in told] == [
+        (ids["ok"], Completed),
+        (ids["fails"], Retried),
+        (ids["snoozes"], Snoozed),
+    ]
+    done, failed, snoozed = (job_of(app, ids[name]) for name in bodies)
+    assert (done.state, done.result, done.attempts) == (skiplock.JobState.COMPLETED, 42, 1)
+    assert failed.state is skiplock.JobState.RETRYABLE
+    assert [e["type"] for e in failed.errors] == ["ValueError"]
+    assert (snoozed.state, snoozed.attempts) == (skiplock.JobState.SCHEDULED, 0)
+    with psycopg.connect(app.database_url) as conn:
+        notes = conn.execute("SELECT note FROM twin_notes").fetchall()
+    assert notes == [("ok",)], "a failed attempt's own writes roll back"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_stop_asked_before_the_batch_starts_no_job(
+    app: skiplock.App, make_job: JobFactory, mode: str
+) -> None:
+    """The jobs of a batch stopped before it starts go back untouched with its commit."""
+    ran: list[str] = []
+
+    def sync_body(conn: Any) -> None:
+        ran.append("ran")
+
+    async def async_body(conn: Any) -> None:
+        ran.append("ran")
+
+    register(app, mode, "stopped", sync_body if mode == "sync" else async_body)
+    job_id = make_job(task="stopped")
+    stopping = threading.Event()
+    stopping.set()
+    stop = executor.BatchStop(stopping)
+    assert run_batch(app, mode, "stopped", rng=random.Random(0), stop=stop) == 0
+    assert ran == []
+    row = job_of(app, job_id)
+    assert (row.state, row.attempts) == (skiplock.JobState.AVAILABLE, 0)

@@ -467,6 +467,85 @@ def _shutdown_note(app: App, job: ClaimedJob) -> Step:
     return render(complete.JOB_NOTE_SHUTDOWN_LOCKED, app.schema), {"id": job.id}
 
 
+class _Batch:
+    """The bookkeeping of one transactional batch, shared by the async and sync drivers:
+    the job running, its span and start, the jobs finished. No I/O: each driver runs the
+    statements these decide, and the handler."""
+
+    def __init__(
+        self,
+        app: App,
+        jobs: list[ClaimedJob],
+        *,
+        rng: random.Random,
+        clock: Clock,
+        on_finished: Finished,
+    ) -> None:
+        self.app, self.jobs = app, jobs
+        self._rng, self._clock, self._on_finished = rng, clock, on_finished
+        self.finished = 0
+        self.running: ClaimedJob | None = None
+        self._traced: _TracedAttempt | None = None
+        self._started = 0.0
+
+    @property
+    def left(self) -> int:
+        """Jobs of the batch not finished, the running one included."""
+        return len(self.jobs) - self.finished
+
+    def begin(self, job: ClaimedJob) -> None:
+        """``job``'s attempt begins: it is current (skiplock.current_job) and traced."""
+        self.running = job
+        set_current_job(job)
+        tracing = self.app.tracing
+        self._traced = None if tracing is None else _TracedAttempt(tracing, job)
+        self._started = time.perf_counter()
+
+    def handler_left(self) -> None:
+        """The handler returned or raised."""
+        set_current_job(None)
+
+    def failure(self, exc: BaseException) -> Outcome:
+        assert self.running is not None
+        return _failure(self.app, self.running, exc, self._clock(), self._rng)
+
+    def refused(self, refusal: BaseException) -> Outcome:
+        assert self.running is not None
+        return _refused(self.running, refusal, self._clock(), self._rng)
+
+    def ended(self, outcome: Outcome) -> None:
+        """The running job's outcome is written (in the batch's transaction)."""
+        job, self.running = self.running, None
+        assert job is not None
+        self.finished += 1
+        if self._traced is not None:
+            self._traced.end(outcome.kind, outcome.error)
+            self._traced = None
+        self._on_finished(job, outcome, time.perf_counter() - self._started)
+
+    def stopped(self, reason: BaseException) -> None:
+        """The running job did not run to an outcome (a stop, a cut): nothing is charged."""
+        set_current_job(None)
+        self.running = None
+        if self._traced is not None:
+            self._traced.abort(reason)
+            self._traced = None
+
+    def aborted(self, exc: BaseException) -> ClaimedJob | None:
+        """The session failed with ``exc``; returns the job whose attempt it took with it."""
+        if self._traced is not None:
+            self._traced.abort(exc)
+            self._traced = None
+        return self.running
+
+
+def _handler_error(job: ClaimedJob, exc: Exception) -> Exception:
+    """What a handler's exception is recorded as."""
+    if isinstance(exc, TimeoutError):
+        return JobTimeoutError(f"{job.task} exceeded its timeout")
+    return exc
+
+
 async def run_transactional_async(
     app: App,
     conn: psycopg.AsyncConnection[Any],
@@ -487,11 +566,7 @@ async def run_transactional_async(
     a cut reaches the handler as a cancellation. Returns how many jobs ran to an outcome.
     """
     stop = stop if stop is not None else BatchStop()
-    session = asyncio.current_task()
-    assert session is not None
-    finished = 0
-    running: ClaimedJob | None = None
-    traced: _TracedAttempt | None = None
+    batch: _Batch | None = None
     try:
         async with conn.transaction():
             # The handler's own writes commit with the job: they must be durable.
@@ -501,78 +576,82 @@ async def run_transactional_async(
             )
             jobs = [claimed_from_row(r) for r in await cur.fetchall()]
             on_claimed(len(jobs))
+            batch = _Batch(app, jobs, rng=rng, clock=clock, on_finished=on_finished)
             for job in stop.jobs_to_start(jobs):
-                running = job
-                task = app.tasks[job.task]
-                exc: BaseException | None = None
-                set_current_job(job)
-                traced = None if app.tracing is None else _TracedAttempt(app.tracing, job)
-                started = time.perf_counter()
-                outcome: Outcome | None = None
-                try:
-                    if job.args_error is not None:
-                        raise ArgumentsError(job.args_error)
-                    async with conn.transaction(complete.JOB_SAVEPOINT):
-                        if not stop.entered(job, session.cancel, len(jobs) - finished):
-                            raise _NotStartedError
-                        try:
-                            coro = task.fn(conn, **job.args)
-                            result = await asyncio.wait_for(coro, task.options.timeout)
-                        except asyncio.CancelledError:
-                            if not stop.was_cut:
-                                raise  # not the cut's: the session itself is cancelled
-                        finally:
-                            if stop.left():
-                                # Whatever the handler made of the cut's cancellation, the
-                                # session goes on: to roll the job back and commit the rest.
-                                if session.cancelling():
-                                    session.uncancel()
-                                raise CutShortError(_CUT_REASON)
-                        outcome = _completion(job, result)
-                        await conn.execute(*locked_write(app.schema, outcome))
-                except (CutShortError, _NotStartedError) as stopped:
-                    set_current_job(None)
-                    running = None
-                    if traced is not None:
-                        traced.abort(stopped)
-                        traced = None
-                    if isinstance(stopped, CutShortError):
-                        await conn.execute(*_shutdown_note(app, job))
-                        log.warning("job %s (%s): %s", job.id, job.task, stopped)
+                batch.begin(job)
+                outcome = await _attempt_async(batch, conn, job, stop)
+                if outcome is None:
                     break
-                except TimeoutError:
-                    exc = JobTimeoutError(f"{job.task} exceeded its timeout")
-                except Exception as failure:
-                    exc = failure
-                set_current_job(None)
-                if exc is not None:
-                    if conn.broken:
-                        raise exc
-                    outcome = _failure(app, job, exc, clock(), rng)
-                    try:
-                        async with conn.transaction():
-                            await conn.execute(*locked_write(app.schema, outcome))
-                    except psycopg.Error as refused:
-                        if conn.broken:
-                            raise
-                        outcome = _refused(job, refused, clock(), rng)
-                        await conn.execute(*locked_write(app.schema, outcome))
-                assert outcome is not None
-                running = None
-                finished += 1
-                if traced is not None:
-                    traced.end(outcome.kind, outcome.error)
-                    traced = None
-                on_finished(job, outcome, time.perf_counter() - started)
+                batch.ended(outcome)
             if jobs:
                 await conn.execute(*_done_notify(app))
     except Exception as exc:
-        if traced is not None:
-            traced.abort(exc)
-        if running is not None:
-            await _charge_async(app, conn, running, _lost_reason(exc), rng, clock)
+        lost = None if batch is None else batch.aborted(exc)
+        if lost is not None:
+            await _charge_async(app, conn, lost, _lost_reason(exc), rng, clock)
         raise
-    return finished
+    assert batch is not None
+    return batch.finished
+
+
+async def _attempt_async(
+    batch: _Batch, conn: psycopg.AsyncConnection[Any], job: ClaimedJob, stop: BatchStop
+) -> Outcome | None:
+    """Run ``job``'s handler in its savepoint and write its outcome; None when a stop
+    came before it started or cut it short (the batch then ends)."""
+    app, session = batch.app, asyncio.current_task()
+    assert session is not None
+    task = app.tasks[job.task]
+    try:
+        if job.args_error is not None:
+            raise ArgumentsError(job.args_error)
+        async with conn.transaction(complete.JOB_SAVEPOINT):
+            if not stop.entered(job, session.cancel, batch.left):
+                raise _NotStartedError
+            try:
+                result = await asyncio.wait_for(task.fn(conn, **job.args), task.options.timeout)
+            except asyncio.CancelledError:
+                if not stop.was_cut:
+                    raise  # not the cut's: the session itself is cancelled
+            finally:
+                if stop.left():
+                    # Whatever the handler made of the cut's cancellation, the session
+                    # goes on: to roll the job back and commit the rest.
+                    if session.cancelling():
+                        session.uncancel()
+                    raise CutShortError(_CUT_REASON)
+            outcome = _completion(job, result)
+            await conn.execute(*locked_write(app.schema, outcome))
+    except (CutShortError, _NotStartedError) as stopped:
+        batch.stopped(stopped)
+        if isinstance(stopped, CutShortError):
+            await conn.execute(*_shutdown_note(app, job))
+            log.warning("job %s (%s): %s", job.id, job.task, stopped)
+        return None
+    except Exception as failure:
+        batch.handler_left()
+        if conn.broken:
+            raise _handler_error(job, failure) from None
+        return await _write_failure_async(batch, conn, _handler_error(job, failure))
+    batch.handler_left()
+    return outcome
+
+
+async def _write_failure_async(
+    batch: _Batch, conn: psycopg.AsyncConnection[Any], exc: BaseException
+) -> Outcome:
+    """Write the failed attempt in a savepoint of its own; if PostgreSQL refuses it, a
+    plain failure naming the reason instead."""
+    outcome = batch.failure(exc)
+    try:
+        async with conn.transaction():
+            await conn.execute(*locked_write(batch.app.schema, outcome))
+    except psycopg.Error as refused:
+        if conn.broken:
+            raise
+        outcome = batch.refused(refused)
+        await conn.execute(*locked_write(batch.app.schema, outcome))
+    return outcome
 
 
 async def _charge_async(
@@ -711,9 +790,7 @@ def run_transactional_sync(
     is enforced by the server (SESSION_LIMIT), for that job only. A cut cannot stop the
     thread: the batch is committed for it (_cut_sync), and its connection closed."""
     stop = stop if stop is not None else BatchStop()
-    finished = 0
-    running: ClaimedJob | None = None
-    traced: _TracedAttempt | None = None
+    batch: _Batch | None = None
     try:
         with conn.transaction():
             # The handler's own writes commit with the job: they must be durable.
@@ -723,90 +800,116 @@ def run_transactional_sync(
             ).fetchall()
             jobs = [claimed_from_row(r) for r in rows]
             on_claimed(len(jobs))
-            session_limits: tuple[Any, ...] | None = None
+            batch = _Batch(app, jobs, rng=rng, clock=clock, on_finished=on_finished)
+            limits = _SessionLimits(app, conn)
             for job in stop.jobs_to_start(jobs):
-                running = job
-                task = app.tasks[job.task]
-                exc: BaseException | None = None
-                set_current_job(job)
-                traced = None if app.tracing is None else _TracedAttempt(app.tracing, job)
-                started = time.perf_counter()
-                timeout = task.options.timeout
-                if timeout is not None:
-                    if session_limits is None:
-                        read = render(complete.SESSION_LIMITS_READ, app.schema)
-                        session_limits = conn.execute(read).fetchone()
-                    conn.execute(render(complete.SESSION_LIMIT, app.schema), _limit_params(timeout))
-                outcome: Outcome | None = None
-                try:
-                    if job.args_error is not None:
-                        raise ArgumentsError(job.args_error)
-                    with (
-                        _watchdog(app, job, timeout) as watched,
-                        conn.transaction(complete.JOB_SAVEPOINT),
-                    ):
-                        commit_for_us = partial(_cut_sync, app, conn, job, watched)
-                        if not stop.entered(job, commit_for_us, len(jobs) - finished):
-                            raise _NotStartedError
-                        try:
-                            result = task.fn(conn, **job.args)
-                        finally:
-                            if stop.left():
-                                # Committed and closed for us (_cut_sync): touch nothing.
-                                raise CutShortError(_CUT_REASON)
-                        outcome = _completion(job, result)
-                        conn.execute(*locked_write(app.schema, outcome))
-                except CutShortError:
-                    raise  # the batch is committed and closed for us
-                except _NotStartedError as unstarted:
-                    set_current_job(None)
-                    running = None
-                    if traced is not None:
-                        traced.abort(unstarted)
-                        traced = None
+                batch.begin(job)
+                timeout = app.tasks[job.task].options.timeout
+                limits.set(timeout)
+                outcome = _attempt_sync(batch, conn, job, stop, timeout)
+                if outcome is None:
                     break
-                except Exception as failure:
-                    exc = failure
-                set_current_job(None)
-                if exc is not None:
-                    if conn.broken:
-                        raise exc
-                    outcome = _failure(app, job, exc, clock(), rng)
-                    try:
-                        with conn.transaction():
-                            conn.execute(*locked_write(app.schema, outcome))
-                    except psycopg.Error as refused:
-                        if conn.broken:
-                            raise
-                        outcome = _refused(job, refused, clock(), rng)
-                        conn.execute(*locked_write(app.schema, outcome))
-                if timeout is not None and session_limits is not None:
-                    # Back to the session's own limits: the next job must not inherit these.
-                    idle, statement = session_limits
-                    conn.execute(
-                        render(complete.SESSION_LIMIT, app.schema),
-                        {"idle": idle, "statement": statement},
-                    )
-                assert outcome is not None
-                running = None
-                finished += 1
-                if traced is not None:
-                    traced.end(outcome.kind, outcome.error)
-                    traced = None
-                on_finished(job, outcome, time.perf_counter() - started)
+                limits.reset(timeout)
+                batch.ended(outcome)
             if jobs:
                 conn.execute(*_done_notify(app))
     except CutShortError as cut:
+        assert batch is not None
+        running = batch.aborted(cut)
         set_current_job(None)
-        if traced is not None:
-            traced.abort(cut)
         if running is not None:
             log.warning("job %s (%s): %s", running.id, running.task, cut)
-        return finished
+        return batch.finished
     except Exception as exc:
-        if traced is not None:
-            traced.abort(exc)
-        if running is not None:
-            _charge_sync(app, conn, running, _lost_reason(exc), rng, clock)
+        lost = None if batch is None else batch.aborted(exc)
+        if lost is not None:
+            _charge_sync(app, conn, lost, _lost_reason(exc), rng, clock)
         raise
-    return finished
+    assert batch is not None
+    return batch.finished
+
+
+class _SessionLimits:
+    """A sync session's statement and idle limits, set to a task's timeout for its job and
+    back to the session's own after it (read once, when first needed)."""
+
+    def __init__(self, app: App, conn: psycopg.Connection[Any]) -> None:
+        self._conn, self._schema = conn, app.schema
+        self._own: tuple[Any, ...] | None = None
+
+    def set(self, timeout: float | None) -> None:
+        if timeout is None:
+            return
+        if self._own is None:
+            self._own = self._conn.execute(
+                render(complete.SESSION_LIMITS_READ, self._schema)
+            ).fetchone()
+        self._conn.execute(render(complete.SESSION_LIMIT, self._schema), _limit_params(timeout))
+
+    def reset(self, timeout: float | None) -> None:
+        """Back to the session's own limits: the next job must not inherit these."""
+        if timeout is None or self._own is None:
+            return
+        idle, statement = self._own
+        self._conn.execute(
+            render(complete.SESSION_LIMIT, self._schema), {"idle": idle, "statement": statement}
+        )
+
+
+def _attempt_sync(
+    batch: _Batch,
+    conn: psycopg.Connection[Any],
+    job: ClaimedJob,
+    stop: BatchStop,
+    timeout: float | None,
+) -> Outcome | None:
+    """Run ``job``'s handler in its savepoint, watched when it has a timeout, and write
+    its outcome; None when a stop came before it started. A cut raises CutShortError:
+    the batch is committed and closed for us (_cut_sync)."""
+    app = batch.app
+    try:
+        if job.args_error is not None:
+            raise ArgumentsError(job.args_error)
+        with (
+            _watchdog(app, job, timeout) as watched,
+            conn.transaction(complete.JOB_SAVEPOINT),
+        ):
+            commit_for_us = partial(_cut_sync, app, conn, job, watched)
+            if not stop.entered(job, commit_for_us, batch.left):
+                raise _NotStartedError
+            try:
+                result = app.tasks[job.task].fn(conn, **job.args)
+            finally:
+                if stop.left():
+                    # Committed and closed for us (_cut_sync): touch nothing.
+                    raise CutShortError(_CUT_REASON)
+            outcome = _completion(job, result)
+            conn.execute(*locked_write(app.schema, outcome))
+    except CutShortError:
+        raise  # the batch is committed and closed for us
+    except _NotStartedError as unstarted:
+        batch.stopped(unstarted)
+        return None
+    except Exception as failure:
+        batch.handler_left()
+        if conn.broken:
+            raise
+        return _write_failure_sync(batch, conn, failure)
+    batch.handler_left()
+    return outcome
+
+
+def _write_failure_sync(
+    batch: _Batch, conn: psycopg.Connection[Any], exc: BaseException
+) -> Outcome:
+    """Sync twin of _write_failure_async."""
+    outcome = batch.failure(exc)
+    try:
+        with conn.transaction():
+            conn.execute(*locked_write(batch.app.schema, outcome))
+    except psycopg.Error as refused:
+        if conn.broken:
+            raise
+        outcome = batch.refused(refused)
+        conn.execute(*locked_write(batch.app.schema, outcome))
+    return outcome

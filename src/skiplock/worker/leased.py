@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import random
 import time
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -130,6 +131,7 @@ class LeasedJobs:
             (True, True): render(claim.JOB_CLAIM_AHEAD_AFTER, schema),
         }
         limits = self._limits
+        start = partial(self._run, threads=threads, slots=slots)
 
         async def fetch(reservation: Reservation) -> bool:
             limit = reservation.size
@@ -144,26 +146,19 @@ class LeasedJobs:
             if after is not None:
                 params.update(after_priority=after[0], after_run_at=after[1], after_id=after[2])
             await limits.settled()
-            # The run permits free now are taken for this claim's first jobs, which start
-            # at once: a claim that has one for every job is not marked claimed ahead. Free
-            # permits mean no job waits for one, so none is overtaken.
-            granted = 0
-            if permits is not None:
-                while granted < limit and not permits.locked():
-                    await permits.acquire()  # free: returns at once, without yielding
-                    granted += 1
-                if queue in limits:
-                    # A limited queue is never claimed ahead: its running jobs are what
-                    # its limit counts (QUEUE_RUNNING), and a job waiting here would hold
-                    # back every worker. Only what can start now.
-                    params["limit"] = limit = granted
-                    if limit == 0:
-                        return False
-            # Marked: it brings more jobs than it has run permits for (without permits, every
-            # job runs at once).
+            granted = await self._take_permits(limit)
+            if permits is not None and queue in limits:
+                # A limited queue is never claimed ahead: its running jobs are what its
+                # limit counts (QUEUE_RUNNING), and a job waiting here would hold back
+                # every worker. Only what can start now.
+                params["limit"] = limit = granted
+                if limit == 0:
+                    return False
+            # Marked: it brings more jobs than it has run permits for (without permits,
+            # every job runs at once).
             marked = permits is not None and granted < limit
             statement = statements[marked, after is not None]
-            asked_at = time.monotonic()  # what the answer says holds from then on, at best
+            claimed = ClaimTimes(time.monotonic())  # what the answer says holds from then on
             try:
                 if queue in limits:
                     rows = await limits.claim(queue, statement, params)
@@ -176,34 +171,55 @@ class LeasedJobs:
                 raise
             self._release_permits(granted - len(rows))
             reservation.keep(len(rows))  # each job gives its slot back when it ends
-            claimed = ClaimTimes(asked_at)
-            # Columns 4, 5 and 0 are priority, run_at and id: the claim order. RETURNING
-            # gives no order, and jobs claimed ahead start in the order they are created.
-            positions = sorted((row[4], row[5], row[0], row) for row in rows)
-            rows = [position[3] for position in positions]
-            cursor.advance([position[:3] for position in positions])
-            register = self.running_jobs.claimed
-            jobs: list[ClaimedJob] = []
-            for n, row in enumerate(rows):
-                job = executor.claimed_from_row(row)
-                run = partial(
-                    self._run,
-                    threads=threads,
-                    slots=slots,
-                    permitted=n < granted,
-                    marked=marked,
-                    keyed=marked and bool(row[10]),  # the marked claim says which
-                )
-                register(job, claimed, run)
-                jobs.append(job)
-            # After the jobs are registered (the heartbeat lists them from there), before
-            # their tasks first run.
-            claimed.registered_at = time.monotonic()
-            if jobs:
-                self._events.claimed(queue, len(jobs), jobs)
+            self._register(queue, rows, cursor, claimed, start, granted=granted, marked=marked)
             return len(rows) >= limit
 
         return fetch
+
+    async def _take_permits(self, limit: int) -> int:
+        """Take the run permits free now, up to ``limit``, for a claim's first jobs, which
+        start at once: a claim that has one for every job is not marked claimed ahead.
+        Free permits mean no job waits for one, so none is overtaken."""
+        permits, granted = self._permits, 0
+        if permits is not None:
+            while granted < limit and not permits.locked():
+                await permits.acquire()  # free: returns at once, without yielding
+                granted += 1
+        return granted
+
+    def _register(
+        self,
+        queue: str,
+        rows: list[Any],
+        cursor: ClaimCursor,
+        claimed: ClaimTimes,
+        start: Callable[..., Coroutine[Any, Any, None]],
+        *,
+        granted: int,
+        marked: bool,
+    ) -> None:
+        """Register a claim's jobs, each run by a task of its own, in the claim's order."""
+        # Columns 4, 5 and 0 are priority, run_at and id: the claim order. RETURNING gives
+        # no order, and jobs claimed ahead start in the order they are created.
+        positions = sorted((row[4], row[5], row[0], row) for row in rows)
+        cursor.advance([position[:3] for position in positions])
+        register = self.running_jobs.claimed
+        jobs: list[ClaimedJob] = []
+        for n, (_, _, _, row) in enumerate(positions):
+            job = executor.claimed_from_row(row)
+            run = partial(
+                start,
+                permitted=n < granted,
+                marked=marked,
+                keyed=marked and bool(row[10]),  # the marked claim says which
+            )
+            register(job, claimed, run)
+            jobs.append(job)
+        # After the jobs are registered (the heartbeat lists them from there), before their
+        # tasks first run.
+        claimed.registered_at = time.monotonic()
+        if jobs:
+            self._events.claimed(queue, len(jobs), jobs)
 
     def _release_permits(self, n: int) -> None:
         """Give back run permits a claim took and has no job for."""
