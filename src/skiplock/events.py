@@ -25,7 +25,7 @@ one, and must not block: a subscriber that does I/O hands it off.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from skiplock.outcomes import Outcome
@@ -66,30 +66,54 @@ class NoEvents:
 
 
 class EventStream:
-    """The events of one worker, told to each subscriber in the order they subscribed."""
+    """The events of one worker, told to each subscriber in the order they subscribed.
+
+    Each event calls only the subscribers that implement it (a method not inherited from
+    NoEvents): with none, telling it costs a loop over nothing."""
 
     def __init__(self, *subscribers: JobEvents) -> None:
-        self._subscribers: tuple[JobEvents, ...] = subscribers
+        self._subscribers: tuple[JobEvents, ...] = ()
+        self._claimed: tuple[Callable[[str, int, Sequence[ClaimedJob]], None], ...] = ()
+        self._started: tuple[Callable[[ClaimedJob, int, float], None], ...] = ()
+        self._ended: tuple[Callable[[ClaimedJob, Outcome, float], None], ...] = ()
+        self._given_back: tuple[Callable[[int], None], ...] = ()
+        self._lost: tuple[Callable[[ClaimedJob, int], None], ...] = ()
+        for subscriber in subscribers:
+            self.subscribe(subscriber)
 
     def subscribe(self, subscriber: JobEvents) -> None:
         self._subscribers = (*self._subscribers, subscriber)
 
+        def wants(name: str) -> bool:
+            return getattr(type(subscriber), name, None) is not getattr(NoEvents, name)
+
+        if wants("claimed"):
+            self._claimed = (*self._claimed, subscriber.claimed)
+        if wants("started"):
+            self._started = (*self._started, subscriber.started)
+        if wants("ended"):
+            self._ended = (*self._ended, subscriber.ended)
+        if wants("given_back"):
+            self._given_back = (*self._given_back, subscriber.given_back)
+        if wants("lost"):
+            self._lost = (*self._lost, subscriber.lost)
+
     def claimed(self, queue: str, count: int, jobs: Sequence[ClaimedJob] = ()) -> None:
-        for subscriber in self._subscribers:
-            subscriber.claimed(queue, count, jobs)
+        for claimed in self._claimed:
+            claimed(queue, count, jobs)
 
     def started(self, job: ClaimedJob, attempt: int, ago: float = 0.0) -> None:
-        for subscriber in self._subscribers:
-            subscriber.started(job, attempt, ago)
+        for started in self._started:
+            started(job, attempt, ago)
 
     def ended(self, job: ClaimedJob, outcome: Outcome, seconds: float) -> None:
-        for subscriber in self._subscribers:
-            subscriber.ended(job, outcome, seconds)
+        for ended in self._ended:
+            ended(job, outcome, seconds)
 
     def given_back(self, count: int) -> None:
-        for subscriber in self._subscribers:
-            subscriber.given_back(count)
+        for given_back in self._given_back:
+            given_back(count)
 
     def lost(self, job: ClaimedJob, attempt: int) -> None:
-        for subscriber in self._subscribers:
-            subscriber.lost(job, attempt)
+        for lost in self._lost:
+            lost(job, attempt)
