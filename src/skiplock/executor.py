@@ -243,36 +243,16 @@ async def run_leased(
         else:
             # run_in_executor does not carry context into the thread: hand it over.
             context = contextvars.copy_context()
-            loop = asyncio.get_running_loop()
             timeout = task.options.timeout
             if timeout is None:
                 # No timeout to count: no word back from the thread when the handler
                 # starts, which would wake the event loop once more per job.
-                result = await loop.run_in_executor(
+                result = await asyncio.get_running_loop().run_in_executor(
                     threads, partial(context.run, task.fn, **job.args)
                 )
-                return Completed(job.id, job.attempts, encode_result(result))
-            started: asyncio.Future[None] = loop.create_future()
-
-            def call() -> Any:
-                loop.call_soon_threadsafe(_resolve, started)
-                return context.run(task.fn, **job.args)
-
-            future = loop.run_in_executor(threads, call)
-            # The timeout counts from when the handler starts, not while it waits for a
-            # thread (one may be held by a handler abandoned after its own timeout).
-            await asyncio.shield(started)
-            try:
-                result = await asyncio.wait_for(asyncio.shield(future), timeout)
-            except TimeoutError:
-                log.warning(
-                    "job %s (%s) timed out; its thread cannot be stopped and is abandoned",
-                    job.id,
-                    job.task,
-                )
-                if on_abandoned is not None:
-                    on_abandoned(future)
-                raise
+            else:
+                call = partial(context.run, task.fn, **job.args)
+                result = await _in_thread_timed(job, call, threads, timeout, on_abandoned)
         # Inside the try: a value PostgreSQL cannot store fails this attempt, here.
         return Completed(job.id, job.attempts, encode_result(result))
     except TimeoutError:
@@ -289,6 +269,38 @@ async def run_leased(
         # The job's task must end with an outcome whatever the exception holds.
         log.exception("job %s: its failure could not be recorded as raised", job.id)
         return last_resort_outcome(job, job.attempts, problem, now, rng)
+
+
+async def _in_thread_timed(
+    job: ClaimedJob,
+    call: Callable[[], Any],
+    threads: Executor,
+    timeout: float,
+    on_abandoned: Callable[[asyncio.Future[Any]], None] | None,
+) -> Any:
+    """A sync handler's ``call`` in a thread, its timeout counted from when it starts,
+    not while it waits for a thread (one may be held by a handler abandoned after its
+    own timeout). At the timeout the thread, which cannot be stopped, is abandoned."""
+    loop = asyncio.get_running_loop()
+    started: asyncio.Future[None] = loop.create_future()
+
+    def run() -> Any:
+        loop.call_soon_threadsafe(_resolve, started)
+        return call()
+
+    future = loop.run_in_executor(threads, run)
+    await asyncio.shield(started)
+    try:
+        return await asyncio.wait_for(asyncio.shield(future), timeout)
+    except TimeoutError:
+        log.warning(
+            "job %s (%s) timed out; its thread cannot be stopped and is abandoned",
+            job.id,
+            job.task,
+        )
+        if on_abandoned is not None:
+            on_abandoned(future)
+        raise
 
 
 # -- transactional mode ---------------------------------------------------------------
