@@ -296,34 +296,8 @@ class Heartbeat(PeriodicService):
             return
         cancelled = {int(job_id): int(attempt) for job_id, attempt, asked in unknown if asked}
         strays = {int(job_id): int(attempt) for job_id, attempt, asked in unknown if not asked}
-        given = 0
-        if strays:
-            cur = await conn.execute(
-                self._give_back,
-                {
-                    **fenced_batch({job_id: {"attempt": a} for job_id, a in strays.items()}),
-                    "worker_id": self._worker_id,
-                    "channel": self._channel,
-                },
-            )
-            given = sum(int(row[1]) for row in await cur.fetchall())
-        ended = 0
-        if cancelled:
-            cur = await conn.execute(
-                self._cancel,
-                {
-                    **fenced_batch(
-                        {
-                            job_id: {"attempt": a, "progress": None}
-                            for job_id, a in cancelled.items()
-                        }
-                    ),
-                    "worker_id": self._worker_id,
-                },
-            )
-            ended = len(await cur.fetchall())
-            if ended:
-                await conn.execute(self._done, {"channel": self._done_channel})
+        given = await self._give_back_strays(conn, strays)
+        ended = await self._end_cancelled(conn, cancelled)
         if given or ended:
             self.given_back += given + ended
             # Of those found, a row locked elsewhere or changed since is left for later.
@@ -336,6 +310,38 @@ class Heartbeat(PeriodicService):
                 given,
                 ended,
             )
+
+    async def _give_back_strays(
+        self, conn: psycopg.AsyncConnection[Any], strays: dict[int, int]
+    ) -> int:
+        """Give back the jobs (id -> attempt) this worker does not run; returns how many."""
+        if not strays:
+            return 0
+        cur = await conn.execute(
+            self._give_back,
+            {
+                **fenced_batch({job_id: {"attempt": a} for job_id, a in strays.items()}),
+                "worker_id": self._worker_id,
+                "channel": self._channel,
+            },
+        )
+        return sum(int(row[1]) for row in await cur.fetchall())
+
+    async def _end_cancelled(
+        self, conn: psycopg.AsyncConnection[Any], cancelled: dict[int, int]
+    ) -> int:
+        """End cancelled, as asked, the jobs (id -> attempt) this worker does not run;
+        returns how many."""
+        if not cancelled:
+            return 0
+        entries = {job_id: {"attempt": a, "progress": None} for job_id, a in cancelled.items()}
+        cur = await conn.execute(
+            self._cancel, {**fenced_batch(entries), "worker_id": self._worker_id}
+        )
+        ended = len(await cur.fetchall())
+        if ended:
+            await conn.execute(self._done, {"channel": self._done_channel})
+        return ended
 
     def _beaten(self, asked_at: float) -> None:
         """Every lease held at ``asked_at`` is confirmed, or its loss acted on."""
