@@ -213,8 +213,9 @@ def one_waiting(
     handle = start_worker(app, concurrency=1, prefetch=1)
     assert handle.worker.parts is not None
     jobs = handle.worker.parts.jobs
-    wait_until(lambda: len(jobs.held) == 2 and len(jobs.at_gate) == 1, 30.0, "both claimed")
-    (waiting_id,) = jobs.at_gate
+    held = jobs.running_jobs
+    wait_until(lambda: len(held) == 2 and len(held.waiting()) == 1, 30.0, "both claimed")
+    (waiting_id,) = held.waiting()
     return OneWaiting(handle, jobs, waiting_id, release, ran)
 
 
@@ -232,7 +233,7 @@ def test_a_job_claimed_ahead_and_given_back_while_it_waited_does_not_start(
 
     setup.release.set()  # the slot frees; the job given back is claimed again and runs once
     wait_until(lambda: setup.ran == ["waiting"], 30.0, "the job given back to run")
-    wait_until(lambda: not jobs.held, 30.0, "the worker to finish")
+    wait_until(lambda: not jobs.running_jobs, 30.0, "the worker to finish")
     assert setup.ran == ["waiting"]
     assert setup.handle.worker.stats.lost_leases == 1
 
@@ -324,7 +325,7 @@ def test_a_claim_answered_late_is_read_again_before_its_jobs_start(
 
     # Given back, it is claimed again (the worker's poll) and runs once.
     wait_until(completed, 30.0, "the job given back to run")
-    wait_until(lambda: not jobs.held, 30.0, "the worker to finish")
+    wait_until(lambda: not jobs.running_jobs, 30.0, "the worker to finish")
     assert ran == [1]
 
 
@@ -356,7 +357,7 @@ def test_a_confirmation_answered_late_is_asked_again(
     setup.release.set()
     wait_until(late.is_set, 30.0, "the confirmation answered late")
     wait_until(lambda: setup.ran == ["waiting"], 30.0, "the job given back to run")
-    wait_until(lambda: not jobs.held, 30.0, "the worker to finish")
+    wait_until(lambda: not jobs.running_jobs, 30.0, "the worker to finish")
     assert setup.ran == ["waiting"]
 
 

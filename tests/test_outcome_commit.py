@@ -14,8 +14,9 @@ from psycopg_pool import AsyncConnectionPool
 
 import skiplock
 from conftest import SCHEMA, Listener
-from skiplock.completer import Completer, Outcome, fenced_batch
+from skiplock.completer import Completer, fenced_batch
 from skiplock.config import done_channel
+from skiplock.outcomes import Completed, Snoozed
 from skiplock.sql import complete, render
 
 ALONE: dict[str, tuple[str, dict[str, Any]]] = {
@@ -98,12 +99,12 @@ def test_a_flush_of_one_kind_and_one_of_two_kinds_write_the_same(
             database_url, min_size=1, max_size=2, kwargs={"autocommit": True}, open=False
         ) as pool:
             completer = Completer(pool, SCHEMA, worker, interval=0.0)
-            completer.add(Outcome(ids[0], 1, result_json='{"n": 1}'))
-            completer.add(Outcome(ids[1], 2, result_json='{"n": 2}'))  # a stale attempt
+            completer.add(Completed(ids[0], 1, result_json='{"n": 1}'))
+            completer.add(Completed(ids[1], 2, result_json='{"n": 2}'))  # a stale attempt
             await completer.flush()
-            completer.add(Outcome(ids[2], 1, result_json='{"n": 3}'))
-            completer.add(Outcome(ids[3], 1, snooze=True, delay=0.0))
-            completer.add(Outcome(ids[4], 7, snooze=True, delay=0.0))  # a stale attempt
+            completer.add(Completed(ids[2], 1, result_json='{"n": 3}'))
+            completer.add(Snoozed(ids[3], 1, delay=0.0))
+            completer.add(Snoozed(ids[4], 7, delay=0.0))  # a stale attempt
             await completer.flush()
             return completer
 

@@ -19,7 +19,9 @@ from psycopg.types.json import Jsonb
 
 import skiplock
 from conftest import SCHEMA, StartWorker, wait_until
-from skiplock.worker.heartbeat import ClaimsInFlight, Heartbeat, Leased
+from skiplock.executor import claimed_from_row
+from skiplock.worker.heartbeat import ClaimsInFlight, Heartbeat
+from skiplock.worker.running import ClaimTimes, RunningJobs
 
 QUEUE = "reconcile"
 LEASE = 30.0
@@ -162,7 +164,7 @@ def test_the_heartbeat_gives_back_only_what_no_claim_in_flight_or_outcome_may_de
     answer is read; an outcome not yet flushed leaves its job running in the database.
     Neither may be given back; what is left once the claim's answer is lost may."""
     worker_id = uuid.uuid4()
-    leased: Leased = {}
+    leased = RunningJobs()
     settling: set[int] = set()
 
     async def scenario() -> None:
@@ -184,17 +186,18 @@ def test_the_heartbeat_gives_back_only_what_no_claim_in_flight_or_outcome_may_de
                 "lease_seconds": LEASE,
                 "service_restarts": Jsonb({}),
             },
-            leased=leased,
-            take_progress=dict,
+            running=leased,
             request_cancel=lambda job_id: None,
-            on_lost=lambda job_id, attempt, task: None,
+            on_lost=lambda entry: None,
             claims=claims,
             settling=lambda: settling,
         )
-        running = asyncio.create_task(asyncio.sleep(3600))
+        held = stray(autocommit, "t", worker_id, claimed_ahead=False)
+        row = (held, QUEUE, "t", "{}", 0, None, 1, 3, None)
+        running = leased.claimed(
+            claimed_from_row(row), ClaimTimes(0.0), lambda entry: asyncio.sleep(3600)
+        ).task
         try:
-            held = stray(autocommit, "t", worker_id, claimed_ahead=False)
-            leased[held] = (1, running)
             outcome = stray(autocommit, "t", worker_id, claimed_ahead=False)
             settling.add(outcome)
             forgotten = stray(autocommit, "t", worker_id, claimed_ahead=True)

@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -27,6 +27,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from skiplock.config import done_channel
+from skiplock.outcomes import OUTCOME_TYPES, Completed, Outcome
 from skiplock.retry import RetryPolicy
 from skiplock.sql import complete, render
 from skiplock.storable import storable_error, storable_json_text, storable_message
@@ -39,50 +40,10 @@ RECONNECT = RetryPolicy(base=0.05, factor=2.0, cap=2.0, jitter=0.5)
 REFUSED_BACKOFF = RetryPolicy()
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """What one attempt came to. ``error`` is set exactly when the attempt failed."""
-
-    job_id: int
-    attempt: int
-    result_json: str | None = None
-    error: dict[str, Any] | None = None
-    dead: bool = False
-    delay: float = 0.0
-    snooze: bool = False
-    cancelled: bool = False
-    # The handler's latest set_progress() not yet written: it goes in with the outcome.
-    progress_json: str | None = None
-
-    @property
-    def kind(self) -> str:
-        """completed, retried, dead, snoozed or cancelled: one word for logs and metrics.
-
-        A plain property: read a few times per outcome, this costs less than
-        functools.cached_property, which takes a lock on each first read (Python 3.11)."""
-        if self.cancelled:
-            return "cancelled"
-        if self.snooze:
-            return "snoozed"
-        if self.error is None:
-            return "completed"
-        return "dead" if self.dead else "retried"
-
-
-# One statement per group of outcomes, each over parallel arrays (sql/complete.py).
-_STATEMENTS = {
-    "completed": complete.JOB_COMPLETE_MANY_IF_LEASED,
-    "failed": complete.JOB_FAIL_MANY_IF_LEASED,
-    "snoozed": complete.JOB_SNOOZE_MANY_IF_LEASED,
-    "cancelled": complete.JOB_CANCEL_MANY_IF_LEASED,
-}
+# One statement per group of outcomes, each over parallel arrays (outcomes.py).
+_STATEMENTS = {kind.group: kind.statements[0] for kind in OUTCOME_TYPES}
 # The same, each committing alone: a flush of one group is that one statement.
-_ALONE = {
-    "completed": complete.JOB_COMPLETE_MANY_ALONE,
-    "failed": complete.JOB_FAIL_MANY_ALONE,
-    "snoozed": complete.JOB_SNOOZE_MANY_ALONE,
-    "cancelled": complete.JOB_CANCEL_MANY_ALONE,
-}
+_ALONE = {kind.group: kind.statements[1] for kind in OUTCOME_TYPES}
 
 
 def fenced_batch(entries: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -117,7 +78,7 @@ def storable_outcome(outcome: Outcome) -> Outcome:
 
 def refused_error(outcome: Outcome, refusal: BaseException, now: str) -> dict[str, Any]:
     """The error recorded for an attempt whose outcome PostgreSQL refused. Pure."""
-    what = "result" if outcome.kind == "completed" else "outcome"
+    what = "result" if isinstance(outcome, Completed) else "outcome"
     return {
         "attempt": outcome.attempt,
         "at": now,
@@ -142,25 +103,11 @@ def _refused_for_its_rows(exc: BaseException) -> bool:
     return not isinstance(exc, psycopg.Error)
 
 
-def outcome_writes(batch: list[Outcome]) -> list[tuple[str, dict[str, Any]]]:
+def outcome_writes(batch: Sequence[Outcome]) -> list[tuple[str, dict[str, Any]]]:
     """The statements (by group) and parameters that write ``batch``; pure."""
     groups: dict[str, dict[int, dict[str, Any]]] = {}
     for outcome in batch:
-        kind = outcome.kind
-        group = "failed" if kind in ("retried", "dead") else kind
-        # A value left out reads as NULL (->>), as JSON null does: less to encode, send and
-        # parse for the progress and results most outcomes do not have.
-        entry: dict[str, Any] = {"attempt": outcome.attempt}
-        if outcome.progress_json is not None:
-            entry["progress"] = outcome.progress_json
-        if group == "completed":
-            if outcome.result_json is not None:
-                entry["result"] = outcome.result_json
-        elif group == "failed":
-            entry.update(dead=outcome.dead, delay=outcome.delay, error=outcome.error)
-        elif group == "snoozed":
-            entry["delay"] = outcome.delay
-        groups.setdefault(group, {})[outcome.job_id] = entry
+        groups.setdefault(outcome.group, {})[outcome.job_id] = outcome.entry()
     return [(group, fenced_batch(entries)) for group, entries in groups.items()]
 
 

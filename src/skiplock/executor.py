@@ -25,7 +25,6 @@ from typing import Any
 import psycopg
 
 from skiplock.app import App
-from skiplock.completer import Outcome
 from skiplock.config import done_channel
 from skiplock.context import CancelFlag, set_current_job
 from skiplock.errors import (
@@ -34,6 +33,7 @@ from skiplock.errors import (
     Snooze,
     UnknownTaskError,
 )
+from skiplock.outcomes import Completed, Outcome, Snoozed, failed, locked_write
 from skiplock.retry import RetryPolicy, decide_failure, retry_at_from
 from skiplock.sql import claim, complete, render
 from skiplock.storable import encode_result, storable_message, storable_text
@@ -44,9 +44,8 @@ from skiplock.types import ClaimedJob
 log = logging.getLogger("skiplock.executor")
 
 Clock = Callable[[], datetime]
-# Told of each transactional job's end: the job, its outcome word, the seconds it took,
-# and the error record written when it failed.
-Finished = Callable[[ClaimedJob, str, float, dict[str, Any] | None], None]
+# Told of each transactional job's end: the job, its outcome, and the seconds it took.
+Finished = Callable[[ClaimedJob, Outcome, float], None]
 MAX_TRACEBACK_CHARS = 20_000
 DEFAULT_POLICY = RetryPolicy()
 # The furthest a handler may put its job off (Retry/Snooze after=...): past this the
@@ -167,7 +166,7 @@ def failure_outcome(
     try:
         if isinstance(exc, Snooze):
             until = max(requested_time(exc.after, now, "Snooze"), now)
-            return Outcome(job_id, attempt, snooze=True, delay=(until - now).total_seconds())
+            return Snoozed(job_id, attempt, delay=(until - now).total_seconds())
         if isinstance(exc, Retry):
             retry_at = requested_time(exc.after, now, "Retry")
     except OutcomeNotStorableError as refused:
@@ -181,10 +180,10 @@ def failure_outcome(
         rng=rng,
         retry_at=retry_at,
     )
-    return Outcome(
-        job_id=job_id,
-        attempt=attempt,
-        error=error_record(exc, attempt, now),
+    return failed(
+        job_id,
+        attempt,
+        error_record(exc, attempt, now),
         dead=decision.dead,
         delay=(decision.run_at - now).total_seconds(),
     )
@@ -197,10 +196,10 @@ def last_resort_outcome(
     encode_result raised): a failed attempt whose record says what went wrong. Built from
     values known to be storable, with the default back-off, so it cannot fail in turn."""
     dead = attempt >= job.max_attempts
-    return Outcome(
-        job_id=job.id,
-        attempt=attempt,
-        error={
+    return failed(
+        job.id,
+        attempt,
+        {
             "attempt": attempt,
             "at": now.isoformat(),
             "type": "OutcomeNotStorableError",
@@ -244,38 +243,18 @@ async def run_leased(
         else:
             # run_in_executor does not carry context into the thread: hand it over.
             context = contextvars.copy_context()
-            loop = asyncio.get_running_loop()
             timeout = task.options.timeout
             if timeout is None:
                 # No timeout to count: no word back from the thread when the handler
                 # starts, which would wake the event loop once more per job.
-                result = await loop.run_in_executor(
+                result = await asyncio.get_running_loop().run_in_executor(
                     threads, partial(context.run, task.fn, **job.args)
                 )
-                return Outcome(job.id, job.attempts, result_json=encode_result(result))
-            started: asyncio.Future[None] = loop.create_future()
-
-            def call() -> Any:
-                loop.call_soon_threadsafe(_resolve, started)
-                return context.run(task.fn, **job.args)
-
-            future = loop.run_in_executor(threads, call)
-            # The timeout counts from when the handler starts, not while it waits for a
-            # thread (one may be held by a handler abandoned after its own timeout).
-            await asyncio.shield(started)
-            try:
-                result = await asyncio.wait_for(asyncio.shield(future), timeout)
-            except TimeoutError:
-                log.warning(
-                    "job %s (%s) timed out; its thread cannot be stopped and is abandoned",
-                    job.id,
-                    job.task,
-                )
-                if on_abandoned is not None:
-                    on_abandoned(future)
-                raise
+            else:
+                call = partial(context.run, task.fn, **job.args)
+                result = await _in_thread_timed(job, call, threads, timeout, on_abandoned)
         # Inside the try: a value PostgreSQL cannot store fails this attempt, here.
-        return Outcome(job.id, job.attempts, result_json=encode_result(result))
+        return Completed(job.id, job.attempts, encode_result(result))
     except TimeoutError:
         exc: BaseException = JobTimeoutError(f"{job.task} exceeded its timeout")
     except UnknownTaskError as unknown:
@@ -292,6 +271,38 @@ async def run_leased(
         return last_resort_outcome(job, job.attempts, problem, now, rng)
 
 
+async def _in_thread_timed(
+    job: ClaimedJob,
+    call: Callable[[], Any],
+    threads: Executor,
+    timeout: float,
+    on_abandoned: Callable[[asyncio.Future[Any]], None] | None,
+) -> Any:
+    """A sync handler's ``call`` in a thread, its timeout counted from when it starts,
+    not while it waits for a thread (one may be held by a handler abandoned after its
+    own timeout). At the timeout the thread, which cannot be stopped, is abandoned."""
+    loop = asyncio.get_running_loop()
+    started: asyncio.Future[None] = loop.create_future()
+
+    def run() -> Any:
+        loop.call_soon_threadsafe(_resolve, started)
+        return call()
+
+    future = loop.run_in_executor(threads, run)
+    await asyncio.shield(started)
+    try:
+        return await asyncio.wait_for(asyncio.shield(future), timeout)
+    except TimeoutError:
+        log.warning(
+            "job %s (%s) timed out; its thread cannot be stopped and is abandoned",
+            job.id,
+            job.task,
+        )
+        if on_abandoned is not None:
+            on_abandoned(future)
+        raise
+
+
 # -- transactional mode ---------------------------------------------------------------
 #
 # Each job runs in a savepoint that holds its handler's writes and, when it returns, the
@@ -306,47 +317,27 @@ async def run_leased(
 Step = tuple[str, dict[str, Any]]
 
 
-def _completion_step(app: App, job: ClaimedJob, result: object) -> Step:
-    """The statement completing a transactional job; raises ResultNotStorableError."""
-    return render(complete.JOB_COMPLETE_LOCKED, app.schema), {
-        "id": job.id,
-        "result": encode_result(result),
-    }
+def _completion(job: ClaimedJob, result: object) -> Completed:
+    """A transactional job's completion; raises ResultNotStorableError."""
+    return Completed(job.id, job.attempts + 1, encode_result(result))
 
 
-def _failure_step(
+def _failure(
     app: App, job: ClaimedJob, exc: BaseException, now: datetime, rng: random.Random
-) -> Step:
-    """The statement recording a transactional job's failed attempt (or its snooze)."""
+) -> Outcome:
+    """A transactional job's failed attempt (or its snooze)."""
     attempt = job.attempts + 1
     try:
         policy = app.tasks[job.task].options.retry
-        outcome = failure_outcome(job.id, attempt, job.max_attempts, policy, exc, now, rng)
+        return failure_outcome(job.id, attempt, job.max_attempts, policy, exc, now, rng)
     except Exception as problem:
         log.exception("job %s: its failure could not be recorded as raised", job.id)
-        outcome = last_resort_outcome(job, attempt, problem, now, rng)
-    if outcome.snooze:
-        return render(complete.JOB_SNOOZE_LOCKED, app.schema), {
-            "id": job.id,
-            "delay": outcome.delay,
-        }
-    return _fail_locked(app, outcome)
+        return last_resort_outcome(job, attempt, problem, now, rng)
 
 
-def _refused_step(
-    app: App, job: ClaimedJob, refused: BaseException, now: datetime, rng: random.Random
-) -> Step:
+def _refused(job: ClaimedJob, refused: BaseException, now: datetime, rng: random.Random) -> Outcome:
     """The failure written when the failure itself was refused: storable by construction."""
-    return _fail_locked(app, last_resort_outcome(job, job.attempts + 1, refused, now, rng))
-
-
-def _fail_locked(app: App, outcome: Outcome) -> Step:
-    return render(complete.JOB_FAIL_LOCKED, app.schema), {
-        "id": outcome.job_id,
-        "dead": outcome.dead,
-        "delay": outcome.delay,
-        "error": json.dumps(outcome.error),
-    }
+    return last_resort_outcome(job, job.attempts + 1, refused, now, rng)
 
 
 def _charge_step(app: App, job: ClaimedJob, reason: str, now: datetime, rng: random.Random) -> Step:
@@ -372,19 +363,6 @@ def _lost_reason(exc: BaseException) -> str:
         "the job's session ended while it ran, rolling back its transaction "
         f"({type(exc).__qualname__}: {storable_message(exc)}); the attempt is counted"
     )
-
-
-def _error(statement: str, params: dict[str, Any]) -> dict[str, Any] | None:
-    """The error record a transactional failure step writes (for the worker's log)."""
-    encoded = params.get("error")
-    return json.loads(encoded) if isinstance(encoded, str) else None
-
-
-def _kind(statement: str, params: dict[str, Any]) -> str:
-    """The outcome word (as Outcome.kind) of a transactional step, for metrics."""
-    if "error" in params:
-        return "dead" if params["dead"] else "retried"
-    return "completed" if "result" in params else "snoozed"
 
 
 class _TracedAttempt:
@@ -501,6 +479,85 @@ def _shutdown_note(app: App, job: ClaimedJob) -> Step:
     return render(complete.JOB_NOTE_SHUTDOWN_LOCKED, app.schema), {"id": job.id}
 
 
+class _Batch:
+    """The bookkeeping of one transactional batch, shared by the async and sync drivers:
+    the job running, its span and start, the jobs finished. No I/O: each driver runs the
+    statements these decide, and the handler."""
+
+    def __init__(
+        self,
+        app: App,
+        jobs: list[ClaimedJob],
+        *,
+        rng: random.Random,
+        clock: Clock,
+        on_finished: Finished,
+    ) -> None:
+        self.app, self.jobs = app, jobs
+        self._rng, self._clock, self._on_finished = rng, clock, on_finished
+        self.finished = 0
+        self.running: ClaimedJob | None = None
+        self._traced: _TracedAttempt | None = None
+        self._started = 0.0
+
+    @property
+    def left(self) -> int:
+        """Jobs of the batch not finished, the running one included."""
+        return len(self.jobs) - self.finished
+
+    def begin(self, job: ClaimedJob) -> None:
+        """``job``'s attempt begins: it is current (skiplock.current_job) and traced."""
+        self.running = job
+        set_current_job(job)
+        tracing = self.app.tracing
+        self._traced = None if tracing is None else _TracedAttempt(tracing, job)
+        self._started = time.perf_counter()
+
+    def handler_left(self) -> None:
+        """The handler returned or raised."""
+        set_current_job(None)
+
+    def failure(self, exc: BaseException) -> Outcome:
+        assert self.running is not None
+        return _failure(self.app, self.running, exc, self._clock(), self._rng)
+
+    def refused(self, refusal: BaseException) -> Outcome:
+        assert self.running is not None
+        return _refused(self.running, refusal, self._clock(), self._rng)
+
+    def ended(self, outcome: Outcome) -> None:
+        """The running job's outcome is written (in the batch's transaction)."""
+        job, self.running = self.running, None
+        assert job is not None
+        self.finished += 1
+        if self._traced is not None:
+            self._traced.end(outcome.kind, outcome.error)
+            self._traced = None
+        self._on_finished(job, outcome, time.perf_counter() - self._started)
+
+    def stopped(self, reason: BaseException) -> None:
+        """The running job did not run to an outcome (a stop, a cut): nothing is charged."""
+        set_current_job(None)
+        self.running = None
+        if self._traced is not None:
+            self._traced.abort(reason)
+            self._traced = None
+
+    def aborted(self, exc: BaseException) -> ClaimedJob | None:
+        """The session failed with ``exc``; returns the job whose attempt it took with it."""
+        if self._traced is not None:
+            self._traced.abort(exc)
+            self._traced = None
+        return self.running
+
+
+def _handler_error(job: ClaimedJob, exc: Exception) -> Exception:
+    """What a handler's exception is recorded as."""
+    if isinstance(exc, TimeoutError):
+        return JobTimeoutError(f"{job.task} exceeded its timeout")
+    return exc
+
+
 async def run_transactional_async(
     app: App,
     conn: psycopg.AsyncConnection[Any],
@@ -512,7 +569,7 @@ async def run_transactional_async(
     clock: Clock = utcnow,
     stop: BatchStop | None = None,
     on_claimed: Callable[[int], None] = lambda n: None,
-    on_finished: Finished = lambda job, kind, seconds, error: None,
+    on_finished: Finished = lambda job, outcome, seconds: None,
 ) -> int:
     """Claim, run and record up to ``limit`` async transactional jobs in one transaction.
 
@@ -521,11 +578,7 @@ async def run_transactional_async(
     a cut reaches the handler as a cancellation. Returns how many jobs ran to an outcome.
     """
     stop = stop if stop is not None else BatchStop()
-    session = asyncio.current_task()
-    assert session is not None
-    finished = 0
-    running: ClaimedJob | None = None
-    traced: _TracedAttempt | None = None
+    batch: _Batch | None = None
     try:
         async with conn.transaction():
             # The handler's own writes commit with the job: they must be durable.
@@ -535,78 +588,82 @@ async def run_transactional_async(
             )
             jobs = [claimed_from_row(r) for r in await cur.fetchall()]
             on_claimed(len(jobs))
+            batch = _Batch(app, jobs, rng=rng, clock=clock, on_finished=on_finished)
             for job in stop.jobs_to_start(jobs):
-                running = job
-                task = app.tasks[job.task]
-                exc: BaseException | None = None
-                set_current_job(job)
-                traced = None if app.tracing is None else _TracedAttempt(app.tracing, job)
-                started = time.perf_counter()
-                step: Step | None = None
-                try:
-                    if job.args_error is not None:
-                        raise ArgumentsError(job.args_error)
-                    async with conn.transaction(complete.JOB_SAVEPOINT):
-                        if not stop.entered(job, session.cancel, len(jobs) - finished):
-                            raise _NotStartedError
-                        try:
-                            coro = task.fn(conn, **job.args)
-                            result = await asyncio.wait_for(coro, task.options.timeout)
-                        except asyncio.CancelledError:
-                            if not stop.was_cut:
-                                raise  # not the cut's: the session itself is cancelled
-                        finally:
-                            if stop.left():
-                                # Whatever the handler made of the cut's cancellation, the
-                                # session goes on: to roll the job back and commit the rest.
-                                if session.cancelling():
-                                    session.uncancel()
-                                raise CutShortError(_CUT_REASON)
-                        step = _completion_step(app, job, result)
-                        await conn.execute(*step)
-                except (CutShortError, _NotStartedError) as stopped:
-                    set_current_job(None)
-                    running = None
-                    if traced is not None:
-                        traced.abort(stopped)
-                        traced = None
-                    if isinstance(stopped, CutShortError):
-                        await conn.execute(*_shutdown_note(app, job))
-                        log.warning("job %s (%s): %s", job.id, job.task, stopped)
+                batch.begin(job)
+                outcome = await _attempt_async(batch, conn, job, stop)
+                if outcome is None:
                     break
-                except TimeoutError:
-                    exc = JobTimeoutError(f"{job.task} exceeded its timeout")
-                except Exception as failure:
-                    exc = failure
-                set_current_job(None)
-                if exc is not None:
-                    if conn.broken:
-                        raise exc
-                    step = _failure_step(app, job, exc, clock(), rng)
-                    try:
-                        async with conn.transaction():
-                            await conn.execute(*step)
-                    except psycopg.Error as refused:
-                        if conn.broken:
-                            raise
-                        step = _refused_step(app, job, refused, clock(), rng)
-                        await conn.execute(*step)
-                assert step is not None
-                running = None
-                finished += 1
-                if traced is not None:
-                    traced.end(_kind(*step), _error(*step))
-                    traced = None
-                on_finished(job, _kind(*step), time.perf_counter() - started, _error(*step))
+                batch.ended(outcome)
             if jobs:
                 await conn.execute(*_done_notify(app))
     except Exception as exc:
-        if traced is not None:
-            traced.abort(exc)
-        if running is not None:
-            await _charge_async(app, conn, running, _lost_reason(exc), rng, clock)
+        lost = None if batch is None else batch.aborted(exc)
+        if lost is not None:
+            await _charge_async(app, conn, lost, _lost_reason(exc), rng, clock)
         raise
-    return finished
+    assert batch is not None
+    return batch.finished
+
+
+async def _attempt_async(
+    batch: _Batch, conn: psycopg.AsyncConnection[Any], job: ClaimedJob, stop: BatchStop
+) -> Outcome | None:
+    """Run ``job``'s handler in its savepoint and write its outcome; None when a stop
+    came before it started or cut it short (the batch then ends)."""
+    app, session = batch.app, asyncio.current_task()
+    assert session is not None
+    task = app.tasks[job.task]
+    try:
+        if job.args_error is not None:
+            raise ArgumentsError(job.args_error)
+        async with conn.transaction(complete.JOB_SAVEPOINT):
+            if not stop.entered(job, session.cancel, batch.left):
+                raise _NotStartedError
+            try:
+                result = await asyncio.wait_for(task.fn(conn, **job.args), task.options.timeout)
+            except asyncio.CancelledError:
+                if not stop.was_cut:
+                    raise  # not the cut's: the session itself is cancelled
+            finally:
+                if stop.left():
+                    # Whatever the handler made of the cut's cancellation, the session
+                    # goes on: to roll the job back and commit the rest.
+                    if session.cancelling():
+                        session.uncancel()
+                    raise CutShortError(_CUT_REASON)
+            outcome = _completion(job, result)
+            await conn.execute(*locked_write(app.schema, outcome))
+    except (CutShortError, _NotStartedError) as stopped:
+        batch.stopped(stopped)
+        if isinstance(stopped, CutShortError):
+            await conn.execute(*_shutdown_note(app, job))
+            log.warning("job %s (%s): %s", job.id, job.task, stopped)
+        return None
+    except Exception as failure:
+        batch.handler_left()
+        if conn.broken:
+            raise _handler_error(job, failure) from None
+        return await _write_failure_async(batch, conn, _handler_error(job, failure))
+    batch.handler_left()
+    return outcome
+
+
+async def _write_failure_async(
+    batch: _Batch, conn: psycopg.AsyncConnection[Any], exc: BaseException
+) -> Outcome:
+    """Write the failed attempt in a savepoint of its own; if PostgreSQL refuses it, a
+    plain failure naming the reason instead."""
+    outcome = batch.failure(exc)
+    try:
+        async with conn.transaction():
+            await conn.execute(*locked_write(batch.app.schema, outcome))
+    except psycopg.Error as refused:
+        if conn.broken:
+            raise
+        outcome = batch.refused(refused)
+        await conn.execute(*locked_write(batch.app.schema, outcome))
+    return outcome
 
 
 async def _charge_async(
@@ -631,10 +688,15 @@ async def _charge_async(
 
 
 def _charge_sync(
-    app: App, conn: psycopg.Connection[Any] | None, job: ClaimedJob, reason: str
+    app: App,
+    conn: psycopg.Connection[Any] | None,
+    job: ClaimedJob,
+    reason: str,
+    rng: random.Random,
+    clock: Clock,
 ) -> bool:
     """Count a lost attempt (see JOB_CHARGE_LOST_ATTEMPT); True when it was counted now."""
-    step = _charge_step(app, job, reason, utcnow(), random.Random())
+    step = _charge_step(app, job, reason, clock(), rng)
     try:
         if conn is not None and not conn.broken and not conn.closed:
             return conn.execute(*step).fetchone() is not None
@@ -734,106 +796,132 @@ def run_transactional_sync(
     clock: Clock = utcnow,
     stop: BatchStop | None = None,
     on_claimed: Callable[[int], None] = lambda n: None,
-    on_finished: Finished = lambda job, kind, seconds, error: None,
+    on_finished: Finished = lambda job, outcome, seconds: None,
 ) -> int:
     """Sync twin of ``run_transactional_async``, run in a worker thread. A task's timeout
     is enforced by the server (SESSION_LIMIT), for that job only. A cut cannot stop the
     thread: the batch is committed for it (_cut_sync), and its connection closed."""
     stop = stop if stop is not None else BatchStop()
-    finished = 0
-    running: ClaimedJob | None = None
-    traced: _TracedAttempt | None = None
+    batch: _Batch | None = None
     try:
         with conn.transaction():
+            # The handler's own writes commit with the job: they must be durable.
+            conn.execute(render(complete.DURABLE_COMMIT_ON, app.schema))
             rows = conn.execute(
                 render(claim.JOB_LOCK_BATCH, app.schema), _lock_params(queue, tasks, limit)
             ).fetchall()
             jobs = [claimed_from_row(r) for r in rows]
             on_claimed(len(jobs))
-            session_limits: tuple[Any, ...] | None = None
+            batch = _Batch(app, jobs, rng=rng, clock=clock, on_finished=on_finished)
+            limits = _SessionLimits(app, conn)
             for job in stop.jobs_to_start(jobs):
-                running = job
-                task = app.tasks[job.task]
-                exc: BaseException | None = None
-                set_current_job(job)
-                traced = None if app.tracing is None else _TracedAttempt(app.tracing, job)
-                started = time.perf_counter()
-                timeout = task.options.timeout
-                if timeout is not None:
-                    if session_limits is None:
-                        read = render(complete.SESSION_LIMITS_READ, app.schema)
-                        session_limits = conn.execute(read).fetchone()
-                    conn.execute(render(complete.SESSION_LIMIT, app.schema), _limit_params(timeout))
-                step: Step | None = None
-                try:
-                    if job.args_error is not None:
-                        raise ArgumentsError(job.args_error)
-                    with (
-                        _watchdog(app, job, timeout) as watched,
-                        conn.transaction(complete.JOB_SAVEPOINT),
-                    ):
-                        commit_for_us = partial(_cut_sync, app, conn, job, watched)
-                        if not stop.entered(job, commit_for_us, len(jobs) - finished):
-                            raise _NotStartedError
-                        try:
-                            result = task.fn(conn, **job.args)
-                        finally:
-                            if stop.left():
-                                # Committed and closed for us (_cut_sync): touch nothing.
-                                raise CutShortError(_CUT_REASON)
-                        step = _completion_step(app, job, result)
-                        conn.execute(*step)
-                except CutShortError:
-                    raise  # the batch is committed and closed for us
-                except _NotStartedError as unstarted:
-                    set_current_job(None)
-                    running = None
-                    if traced is not None:
-                        traced.abort(unstarted)
-                        traced = None
+                batch.begin(job)
+                timeout = app.tasks[job.task].options.timeout
+                limits.set(timeout)
+                outcome = _attempt_sync(batch, conn, job, stop, timeout)
+                if outcome is None:
                     break
-                except Exception as failure:
-                    exc = failure
-                set_current_job(None)
-                if exc is not None:
-                    if conn.broken:
-                        raise exc
-                    step = _failure_step(app, job, exc, clock(), rng)
-                    try:
-                        with conn.transaction():
-                            conn.execute(*step)
-                    except psycopg.Error as refused:
-                        if conn.broken:
-                            raise
-                        step = _refused_step(app, job, refused, clock(), rng)
-                        conn.execute(*step)
-                if timeout is not None and session_limits is not None:
-                    # Back to the session's own limits: the next job must not inherit these.
-                    idle, statement = session_limits
-                    conn.execute(
-                        render(complete.SESSION_LIMIT, app.schema),
-                        {"idle": idle, "statement": statement},
-                    )
-                assert step is not None
-                running = None
-                finished += 1
-                if traced is not None:
-                    traced.end(_kind(*step), _error(*step))
-                    traced = None
-                on_finished(job, _kind(*step), time.perf_counter() - started, _error(*step))
+                limits.reset(timeout)
+                batch.ended(outcome)
             if jobs:
                 conn.execute(*_done_notify(app))
     except CutShortError as cut:
+        assert batch is not None
+        running = batch.aborted(cut)
         set_current_job(None)
-        if traced is not None:
-            traced.abort(cut)
         if running is not None:
             log.warning("job %s (%s): %s", running.id, running.task, cut)
-        return finished
+        return batch.finished
     except Exception as exc:
-        if traced is not None:
-            traced.abort(exc)
-        if running is not None:
-            _charge_sync(app, conn, running, _lost_reason(exc))
+        lost = None if batch is None else batch.aborted(exc)
+        if lost is not None:
+            _charge_sync(app, conn, lost, _lost_reason(exc), rng, clock)
         raise
-    return finished
+    assert batch is not None
+    return batch.finished
+
+
+class _SessionLimits:
+    """A sync session's statement and idle limits, set to a task's timeout for its job and
+    back to the session's own after it (read once, when first needed)."""
+
+    def __init__(self, app: App, conn: psycopg.Connection[Any]) -> None:
+        self._conn, self._schema = conn, app.schema
+        self._own: tuple[Any, ...] | None = None
+
+    def set(self, timeout: float | None) -> None:
+        if timeout is None:
+            return
+        if self._own is None:
+            self._own = self._conn.execute(
+                render(complete.SESSION_LIMITS_READ, self._schema)
+            ).fetchone()
+        self._conn.execute(render(complete.SESSION_LIMIT, self._schema), _limit_params(timeout))
+
+    def reset(self, timeout: float | None) -> None:
+        """Back to the session's own limits: the next job must not inherit these."""
+        if timeout is None or self._own is None:
+            return
+        idle, statement = self._own
+        self._conn.execute(
+            render(complete.SESSION_LIMIT, self._schema), {"idle": idle, "statement": statement}
+        )
+
+
+def _attempt_sync(
+    batch: _Batch,
+    conn: psycopg.Connection[Any],
+    job: ClaimedJob,
+    stop: BatchStop,
+    timeout: float | None,
+) -> Outcome | None:
+    """Run ``job``'s handler in its savepoint, watched when it has a timeout, and write
+    its outcome; None when a stop came before it started. A cut raises CutShortError:
+    the batch is committed and closed for us (_cut_sync)."""
+    app = batch.app
+    try:
+        if job.args_error is not None:
+            raise ArgumentsError(job.args_error)
+        with (
+            _watchdog(app, job, timeout) as watched,
+            conn.transaction(complete.JOB_SAVEPOINT),
+        ):
+            commit_for_us = partial(_cut_sync, app, conn, job, watched)
+            if not stop.entered(job, commit_for_us, batch.left):
+                raise _NotStartedError
+            try:
+                result = app.tasks[job.task].fn(conn, **job.args)
+            finally:
+                if stop.left():
+                    # Committed and closed for us (_cut_sync): touch nothing.
+                    raise CutShortError(_CUT_REASON)
+            outcome = _completion(job, result)
+            conn.execute(*locked_write(app.schema, outcome))
+    except CutShortError:
+        raise  # the batch is committed and closed for us
+    except _NotStartedError as unstarted:
+        batch.stopped(unstarted)
+        return None
+    except Exception as failure:
+        batch.handler_left()
+        if conn.broken:
+            raise
+        return _write_failure_sync(batch, conn, failure)
+    batch.handler_left()
+    return outcome
+
+
+def _write_failure_sync(
+    batch: _Batch, conn: psycopg.Connection[Any], exc: BaseException
+) -> Outcome:
+    """Sync twin of _write_failure_async."""
+    outcome = batch.failure(exc)
+    try:
+        with conn.transaction():
+            conn.execute(*locked_write(batch.app.schema, outcome))
+    except psycopg.Error as refused:
+        if conn.broken:
+            raise
+        outcome = batch.refused(refused)
+        conn.execute(*locked_write(batch.app.schema, outcome))
+    return outcome

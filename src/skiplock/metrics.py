@@ -1,11 +1,13 @@
 """Worker metrics for Prometheus (the ``metrics`` extra: ``pip install skiplock[metrics]``).
 
-The worker reports through the small ``Metrics`` interface; ``NullMetrics`` costs nothing
-when no ``--metrics-port`` is given, and prometheus_client is only imported when one is.
-Queue depth and oldest ready age are read from the database by one statement
-(sql/metrics.py) at most once per ``refresh_seconds`` however often Prometheus scrapes;
-scrapes in between are served the figures read last. The port binds 127.0.0.1 unless told
-otherwise: the figures name queues and tasks.
+The worker reports through the small ``Metrics`` protocol: the job events reach it through
+``MetricsEvents``, a subscriber to the worker's event stream (events.py), and the rest
+(flushes, rescues, restarts, the worker's start and stop) by direct calls.
+``NullMetrics`` costs nothing when no ``--metrics-port`` is given, and prometheus_client
+is only imported when one is. Queue depth and oldest ready age are read from the database
+by one statement (sql/metrics.py) at most once per ``refresh_seconds`` however often
+Prometheus scrapes; scrapes in between are served the figures read last. The port binds
+127.0.0.1 unless told otherwise: the figures name queues and tasks.
 
 The figures read from the database describe the whole database, not one process: a worker
 exports them only while it is the elected leader (``queue_gauges="leader"``), so that N
@@ -18,11 +20,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 import psycopg
 
+from skiplock.events import NoEvents
+from skiplock.outcomes import Outcome
 from skiplock.sql import metrics as metrics_sql
 from skiplock.sql import render
 from skiplock.tracing import error_class
@@ -32,8 +36,50 @@ from skiplock.types import ClaimedJob
 QUEUE_GAUGE_MODES = ("leader", "always", "never")
 
 
+class Metrics(Protocol):
+    """What the worker reports to its metrics."""
+
+    def job_finished(self, queue: str, task: str, outcome: str, seconds: float) -> None: ...
+
+    def claimed(self, queue: str, count: int) -> None: ...
+
+    def flushed(self, batch: int, refused: int) -> None: ...
+
+    def rescued(self, count: int) -> None: ...
+
+    def service_restarted(self, service: str) -> None: ...
+
+    def job_started(self, job: ClaimedJob, attempt: int, ran: float = 0.0) -> None: ...
+
+    def job_failed(self, queue: str, task: str, error: Mapping[str, Any]) -> None: ...
+
+    def worker_started(
+        self, busy: Callable[[], int], slots: int, leads: Callable[[], bool]
+    ) -> None: ...
+
+    def worker_stopped(self) -> None: ...
+
+
+class MetricsEvents(NoEvents):
+    """The job events, counted into ``metrics``."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def claimed(self, queue: str, count: int, jobs: Sequence[ClaimedJob]) -> None:
+        self.metrics.claimed(queue, count)
+
+    def started(self, job: ClaimedJob, attempt: int, ago: float) -> None:
+        self.metrics.job_started(job, attempt, ago)
+
+    def ended(self, job: ClaimedJob, outcome: Outcome, seconds: float) -> None:
+        self.metrics.job_finished(job.queue, job.task, outcome.kind, seconds)
+        if outcome.error is not None:
+            self.metrics.job_failed(job.queue, job.task, outcome.error)
+
+
 class NullMetrics:
-    """The interface, doing nothing."""
+    """The metrics of a worker that exports none: each report does nothing."""
 
     def job_finished(self, queue: str, task: str, outcome: str, seconds: float) -> None:
         return None

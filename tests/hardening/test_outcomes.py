@@ -23,7 +23,8 @@ from psycopg_pool import AsyncConnectionPool
 
 import skiplock
 from semantics.conftest import Calls, Sem, StartWorkers
-from skiplock.completer import Completer, Outcome
+from skiplock.completer import Completer
+from skiplock.outcomes import Cancelled, Completed, Retried, Snoozed
 from skiplock.retry import RetryPolicy
 
 pytestmark = pytest.mark.timeout(90)
@@ -232,7 +233,7 @@ def test_a_refused_outcome_is_isolated_and_the_rest_of_the_batch_is_written(sem:
     async def body(completer: Completer) -> None:
         for job_id in ids:
             result = '"\\u0000"' if job_id in bad else '{"n": 1}'
-            completer.add(Outcome(job_id, 1, result_json=result))
+            completer.add(Completed(job_id, 1, result_json=result))
         await completer.flush()
         assert completer.backlog == 0
 
@@ -258,10 +259,10 @@ def test_refused_outcomes_of_every_kind_fail_alone(sem: Sem) -> None:
         # A failure whose error holds a NUL and a lone surrogate (made storable before the
         # write), and a cancel and a snooze whose progress jsonb refuses (left out: it is
         # a side note).
-        completer.add(Outcome(ids[0], 1, error=bad_error, delay=0.0))
-        completer.add(Outcome(ids[1], 1, cancelled=True, progress_json='"\\u0000"'))
-        completer.add(Outcome(ids[2], 1, snooze=True, delay=0.0, progress_json='"\\ud800"'))
-        completer.add(Outcome(ids[3], 1, result_json="1"))
+        completer.add(Retried(ids[0], 1, error=bad_error, delay=0.0))
+        completer.add(Cancelled(ids[1], 1, progress_json='"\\u0000"'))
+        completer.add(Snoozed(ids[2], 1, delay=0.0, progress_json='"\\ud800"'))
+        completer.add(Completed(ids[3], 1, result_json="1"))
         await completer.flush()
 
     completer = _run(_with_completer(sem, worker_id, body))
@@ -277,7 +278,7 @@ def test_concurrent_flushes_write_each_outcome_once(sem: Sem) -> None:
 
     async def body(completer: Completer) -> None:
         for job_id in ids:
-            completer.add(Outcome(job_id, 1, result_json="1"))
+            completer.add(Completed(job_id, 1, result_json="1"))
         await asyncio.gather(*(completer.flush() for _ in range(3)))
         assert completer.backlog == 0
 
@@ -296,7 +297,7 @@ def test_an_error_no_row_caused_keeps_the_batch_for_the_next_try(
 
     async def body(completer: Completer) -> None:
         for job_id in ids:
-            completer.add(Outcome(job_id, 1, result_json="1"))
+            completer.add(Completed(job_id, 1, result_json="1"))
         runner = asyncio.create_task(completer.run())
         try:
 
@@ -366,7 +367,7 @@ def test_a_row_postgresql_refuses_whatever_is_written_is_left_alone(sem: Sem) ->
 
     async def body(completer: Completer) -> None:
         for job_id in ids:
-            completer.add(Outcome(job_id, 1, result_json="1"))
+            completer.add(Completed(job_id, 1, result_json="1"))
         await completer.flush()
         assert completer.backlog == 0
 

@@ -19,9 +19,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import skiplock
-from skiplock.completer import Outcome, refused_error, storable_outcome
+from skiplock.completer import refused_error, storable_outcome
 from skiplock.errors import ResultNotStorableError
 from skiplock.executor import error_record, failure_outcome, requested_time
+from skiplock.outcomes import Completed, Retried, Snoozed
 from skiplock.retry import RetryPolicy
 from skiplock.storable import (
     encode_result,
@@ -175,22 +176,22 @@ def test_error_records_are_storable_whatever_the_exception_holds() -> None:
 
 
 def test_storable_outcome_cleans_the_error_and_drops_refused_progress() -> None:
-    outcome = Outcome(
+    outcome = Retried(
         1, 1, error={"attempt": 1, "message": "x\x00", "n": 3}, progress_json='"\\u0000"'
     )
     clean = storable_outcome(outcome)
     assert clean.error == {"attempt": 1, "message": "x\\x00", "n": 3}
     assert clean.progress_json is None
-    fine = Outcome(2, 1, result_json="1", progress_json='{"done": 2}')
+    fine = Completed(2, 1, result_json="1", progress_json='{"done": 2}')
     assert storable_outcome(fine) is fine
     assert storable_error({"a": "ok"}) == {"a": "ok"}
 
 
 def test_a_refused_completion_is_recorded_as_result_not_storable() -> None:
-    error = refused_error(Outcome(1, 2, result_json='"x"'), ValueError("bad\x00"), "now")
+    error = refused_error(Completed(1, 2, result_json='"x"'), ValueError("bad\x00"), "now")
     assert error["message"] == "result not storable: bad\\x00"
     assert (error["attempt"], error["type"]) == (2, "OutcomeNotStorableError")
-    failed = refused_error(Outcome(1, 2, error={}), ValueError("no"), "now")
+    failed = refused_error(Retried(1, 2, error={}), ValueError("no"), "now")
     assert failed["message"] == "outcome not storable: no"
 
 
@@ -228,7 +229,7 @@ def test_an_impossible_snooze_time_fails_the_attempt(after: Any) -> None:
     Exception.__init__(exc, "snoozed")
     exc.after = after
     outcome = failure_outcome(7, 3, 3, RetryPolicy(), exc, NOW, random.Random(0))
-    assert (outcome.snooze, outcome.dead) == (False, True)
+    assert (isinstance(outcome, Snoozed), outcome.dead) == (False, True)
     assert outcome.error is not None and outcome.error["message"].startswith("Snooze(after=")
 
 

@@ -22,9 +22,10 @@ from skiplock.bench.load import copy_jobs, fresh_schema
 from skiplock.bench.measure import Figure, Report, Settings
 from skiplock.bench.pgbench import pgbench_path, run_pgbench
 from skiplock.bench.workers import WORKER_ARGS
-from skiplock.completer import Outcome, outcome_writes
+from skiplock.completer import outcome_writes
 from skiplock.config import done_channel
 from skiplock.cursor import ClaimCursor
+from skiplock.outcomes import Completed
 from skiplock.sql import claim, complete, render
 from skiplock.worker import WorkerOptions
 
@@ -94,7 +95,7 @@ def _ceiling_process(url: str, schema: str, batch: int, start: Any, result: Any)
         start.wait()
         while (rows := _ceiling_claim(conn, schema, worker_id, batch, cursor)) is not None:
             # Column 6 is the attempt (the fencing token); a no-op handler returns None.
-            outcomes = [Outcome(row[0], row[6], result_json=None) for row in rows]
+            outcomes = [Completed(row[0], row[6]) for row in rows]
             with conn.transaction():
                 conn.execute(durable_sql)
                 for group, written in outcome_writes(outcomes):

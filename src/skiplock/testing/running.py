@@ -17,9 +17,9 @@ import psycopg
 
 from skiplock import client
 from skiplock.app import App
-from skiplock.completer import Outcome
 from skiplock.context import set_current_job
 from skiplock.executor import claimed_from_row, run_transactional_sync
+from skiplock.outcomes import Completed
 from skiplock.tasks import Task, TaskCall
 from skiplock.testing import runs
 from skiplock.types import ClaimedJob, Job
@@ -68,7 +68,7 @@ def perform_job(
     try:
         with conn.transaction():
             result_json = runs.call_transactional(plain, conn, job.args)
-        outcome = Outcome(job.id, job.attempts + 1, result_json=result_json)
+        outcome = Completed(job.id, job.attempts + 1, result_json)
     except Exception as exc:
         outcome = runs.transactional_failure(plain, job, exc)
     finally:
@@ -154,7 +154,9 @@ def _drain_locked_one(conn: Conn, state: runs.Drain, queue: str) -> bool:
         tasks,
         1,
         rng=random.Random(),
-        on_finished=lambda job, kind, seconds, error: finished.append((job, kind, error)),
+        on_finished=lambda job, outcome, seconds: finished.append(
+            (job, outcome.kind, outcome.error)
+        ),
     )
     for job, kind, error in finished:
         row = client.get_job(conn, state.app.schema, job.id)

@@ -15,9 +15,9 @@ import psycopg
 
 from skiplock import client
 from skiplock.app import App
-from skiplock.completer import Outcome
 from skiplock.context import set_current_job
 from skiplock.executor import claimed_from_row, run_transactional_async
+from skiplock.outcomes import Completed
 from skiplock.tasks import Task, TaskCall
 from skiplock.testing import runs
 from skiplock.types import ClaimedJob, Job
@@ -66,7 +66,7 @@ async def perform_job_async(
     try:
         async with conn.transaction():
             result_json = await runs.call_transactional_async(plain, conn, job.args)
-        outcome = Outcome(job.id, job.attempts + 1, result_json=result_json)
+        outcome = Completed(job.id, job.attempts + 1, result_json)
     except Exception as exc:
         outcome = runs.transactional_failure(plain, job, exc)
     finally:
@@ -152,7 +152,9 @@ async def _drain_locked_one_async(conn: AsyncConn, state: runs.Drain, queue: str
         tasks,
         1,
         rng=random.Random(),
-        on_finished=lambda job, kind, seconds, error: finished.append((job, kind, error)),
+        on_finished=lambda job, outcome, seconds: finished.append(
+            (job, outcome.kind, outcome.error)
+        ),
     )
     for job, kind, error in finished:
         row = await client.get_job_async(conn, state.app.schema, job.id)

@@ -24,12 +24,12 @@ from psycopg.types.json import Jsonb
 from skiplock.app import App
 from skiplock.completer import (
     REFUSED_BACKOFF,
-    Outcome,
     outcome_writes,
     refused_error,
     storable_outcome,
 )
 from skiplock.executor import claimed_from_row, failure_outcome, run_leased, utcnow
+from skiplock.outcomes import Outcome, failed
 from skiplock.sql import claim, complete, render
 from skiplock.storable import encode_result
 from skiplock.tasks import JobSpec, Task, TaskCall
@@ -303,10 +303,8 @@ class Drain:
         """The failed attempt recorded when PostgreSQL refused ``outcome`` (as the
         completer records it), and the statement that writes it."""
         error = refused_error(outcome, refusal, utcnow().isoformat())
-        failed = Outcome(
-            job.id, outcome.attempt, error=error, dead=job.attempts >= job.max_attempts
-        )
-        return failed, (
+        dead = job.attempts >= job.max_attempts
+        return failed(job.id, outcome.attempt, error, dead=dead, delay=0.0), (
             render(complete.JOB_FAIL_UNSTORABLE_IF_LEASED, self.app.schema),
             {
                 "id": job.id,

@@ -21,10 +21,15 @@ from skiplock.completer import Completer
 from skiplock.config import control_channel, notify_channel
 from skiplock.control import Wakeup
 from skiplock.cursor import ClaimCursor
+from skiplock.events import EventStream
+from skiplock.metrics import MetricsEvents
+from skiplock.outcomes import Outcome
 from skiplock.sql import wakeup
+from skiplock.types import ClaimedJob
 from skiplock.worker.cancels import CancelRequests
 from skiplock.worker.cursors import CursorProbe
 from skiplock.worker.heartbeat import Heartbeat
+from skiplock.worker.job_log import JobLog
 from skiplock.worker.leader import (
     Election,
     History,
@@ -42,6 +47,7 @@ from skiplock.worker.pools import WorkerPools
 from skiplock.worker.producer import ClaimAhead, Producer, Slots
 from skiplock.worker.sessions import TransactionalSessions
 from skiplock.worker.starts import StartRecorder
+from skiplock.worker.stats import StatsEvents
 from skiplock.worker.supervisor import Every, Loop, Service, Supervisor
 from skiplock.worker.timeouts import MAINTENANCE, WAKEUP, heartbeat_bounds
 from skiplock.worker.wakeup import LateCommits, WakeupSession
@@ -100,6 +106,10 @@ class Parts:
         self.supervisor = Supervisor(on_restart=worker.metrics.service_restarted)
         self.wake = {queue: asyncio.Event() for queue in options.queues}
         self.cursors = {queue: ClaimCursor() for queue in options.queues}
+        # Every job event of this run, told once, to the stats, the metrics and the log.
+        self.events = EventStream(
+            StatsEvents(worker.stats), MetricsEvents(worker.metrics), JobLog()
+        )
         self._claiming()
         self._completing()
         self._hearing()
@@ -128,9 +138,9 @@ class Parts:
             batch=options.transactional_batch,
             poll_interval=worker.poll_interval,
             rng=worker.rng,
-            on_claimed=worker.claimed,
+            on_claimed=self.events.claimed,
             on_completed=worker.transactional_completed,
-            on_finished=worker.transactional_finished,
+            on_finished=self.transactional_finished,
             gate=self.gate,
         )
         # Inserts notify only while a worker waits on their queue (decision 023): through
@@ -172,10 +182,9 @@ class Parts:
             worker.id,
             self.limits,
             self.completer,
-            worker.stats,
-            worker.metrics,
+            self.events,
             lease_seconds=options.lease_seconds,
-            gate=self.gate,
+            permits=self.gate,
             rng=worker.rng,
             ahead=self.ahead,
         )
@@ -191,7 +200,11 @@ class Parts:
     def _hearing(self) -> None:
         worker, connections = self.worker, self.worker.connections
         self.cancels = CancelRequests(
-            self.pools.claims, self.schema, worker.id, leased=self.jobs.held, cancel=self.cancel
+            self.pools.claims,
+            self.schema,
+            worker.id,
+            attempt_of=self.jobs.running_jobs.attempt_of,
+            cancel=self.cancel,
         )
         self.listener = Listener(
             connections.dedicated_url,
@@ -257,7 +270,7 @@ class Parts:
         self.heartbeat = self._heartbeat(heartbeat_every, tick)
         if self.ahead is not None:
             self.jobs.starts = StartRecorder(
-                self.pools.claims, self.schema, worker.id, self.jobs.held
+                self.pools.claims, self.schema, worker.id, self.jobs.running_jobs.attempt_of
             )
         # Started once the liveness lock is held: until then a rescuer would take this
         # worker for dead, drop its registration and hand its jobs on, and an elected
@@ -309,8 +322,7 @@ class Parts:
             every=every,
             tick=tick,
             registration=worker.registration,
-            leased=jobs.held,
-            take_progress=jobs.take_progress,
+            running=jobs.running_jobs,
             request_cancel=jobs.request_cancel,
             on_lost=jobs.lost,
             on_connect=self.liveness,
@@ -391,6 +403,11 @@ class Parts:
     def elected(self) -> None:
         self.admission.ask_all()  # a new leader admits every waiting key
         self.rescue.wake.set()  # and rescues at once: the old leader may be the dead one
+
+    def transactional_finished(self, job: ClaimedJob, outcome: Outcome, seconds: float) -> None:
+        """A transactional attempt ended: it started ``seconds`` ago, told now."""
+        self.events.started(job, outcome.attempt, seconds)
+        self.events.ended(job, outcome, seconds)
 
     def cancel(self, job_id: int) -> None:
         self.jobs.request_cancel(job_id)

@@ -21,7 +21,6 @@ from psycopg_pool import AsyncConnectionPool
 
 from skiplock.completer import fenced_batch
 from skiplock.sql import control, render
-from skiplock.worker.heartbeat import Leased
 from skiplock.worker.supervisor import describe
 
 log = logging.getLogger("skiplock.worker.cancels")
@@ -39,12 +38,12 @@ class CancelRequests:
         schema: str,
         worker_id: UUID,
         *,
-        leased: Leased,
+        attempt_of: Callable[[int], int | None],
         cancel: Callable[[int], None],
     ) -> None:
         self._pool = pool
         self._worker_id = worker_id
-        self._leased = leased
+        self._attempt_of = attempt_of
         self._cancel = cancel
         self._confirm = render(control.JOB_CANCEL_CONFIRMED, schema)
         self._asked: dict[int, int] = {}  # job id -> the attempt running here when asked
@@ -52,10 +51,10 @@ class CancelRequests:
         self.refused = 0  # requests the database did not confirm
 
     def ask(self, job_id: int) -> None:
-        entry = self._leased.get(job_id)
-        if entry is None:
+        attempt = self._attempt_of(job_id)
+        if attempt is None:
             return  # not running here: nothing to stop
-        self._asked[job_id] = entry[0]
+        self._asked[job_id] = attempt
         self._wake.set()
 
     async def run(self) -> None:

@@ -30,14 +30,11 @@ from skiplock.completer import fenced_batch
 from skiplock.config import done_channel, notify_channel
 from skiplock.sql import complete, maintenance, render
 from skiplock.worker.liveness import session_kwargs
+from skiplock.worker.running import RunningJob, RunningJobs
 from skiplock.worker.supervisor import PeriodicService, describe
 from skiplock.worker.timeouts import heartbeat_bounds
 
 log = logging.getLogger("skiplock.worker.heartbeat")
-
-# The lease-mode jobs this worker runs: id -> (attempt, the task running it). Shared with
-# the worker, which adds and removes them.
-Leased = dict[int, tuple[int, "asyncio.Task[None]"]]
 
 # Readings of the database's clock kept, to find one older than the oldest claim in flight.
 CLOCK_READINGS = 8
@@ -49,7 +46,7 @@ R = TypeVar("R")
 class ClaimsInFlight:
     """The claims this worker has sent whose answers it has not read yet, by when each
     was sent (monotonic seconds). What they claimed is running under this worker in the
-    database and not yet in ``held``: the heartbeat must not give it back."""
+    database and not yet registered (RunningJobs): the heartbeat must not give it back."""
 
     def __init__(self) -> None:
         self._sent: dict[int, float] = {}
@@ -57,7 +54,7 @@ class ClaimsInFlight:
 
     def track(self, fetch: Callable[[A], Awaitable[R]]) -> Callable[[A], Awaitable[R]]:
         """``fetch`` (a producer's claim), counted as in flight from its call until it
-        returns (its jobs are in ``held`` by then) or raises (its answer is lost)."""
+        returns (its jobs are registered by then) or raises (its answer is lost)."""
 
         async def tracked(arg: A) -> R:
             self._count += 1
@@ -92,10 +89,9 @@ class Heartbeat(PeriodicService):
         every: float,
         tick: float,
         registration: Callable[[], dict[str, Any]],
-        leased: Leased,
-        take_progress: Callable[[], dict[int, tuple[int, str]]],
+        running: RunningJobs,
         request_cancel: Callable[[int], None],
-        on_lost: Callable[[int, int, asyncio.Task[None]], None],
+        on_lost: Callable[[RunningJob], None],
         on_connect: Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]] | None = None,
         on_beat: Callable[[float], None] | None = None,
         connect_kwargs: dict[str, Any] | None = None,
@@ -115,14 +111,13 @@ class Heartbeat(PeriodicService):
         self.every = every
         self._tick = tick
         self._registration = registration
-        self._leased = leased
-        self._take_progress = take_progress
+        self._running = running
         self._request_cancel = request_cancel
         self._on_lost = on_lost
         self._on_connect = on_connect
         self._on_beat = on_beat
         # Reconciliation (run only when ``settling`` is given): the claims in flight, and
-        # the jobs not in ``held`` whose rows the worker still means to write (outcomes
+        # the jobs not registered whose rows the worker still means to write (outcomes
         # not yet flushed), or None while it must not give anything back (stopping: the
         # drain gives back what it holds, by its own rules).
         self._claims = claims if claims is not None else ClaimsInFlight()
@@ -221,15 +216,15 @@ class Heartbeat(PeriodicService):
     async def _extend_leases(self, conn: psycopg.AsyncConnection[Any]) -> None:
         # The leases asked about, and when: what the answer confirms holds from then on.
         asked_at = time.monotonic()
-        if not self._leased:
+        held = self._running.snapshot()
+        if not held:
             self._locked.clear()
             self._beaten(asked_at)
             return
-        held = dict(self._leased)
         cur = await conn.execute(
             self._extend,
             {
-                **fenced_batch({job_id: {"attempt": a} for job_id, (a, _) in held.items()}),
+                **fenced_batch({job_id: {"attempt": e.attempt} for job_id, e in held.items()}),
                 "worker_id": self._worker_id,
                 "lease_seconds": self._lease_seconds,
             },
@@ -249,14 +244,14 @@ class Heartbeat(PeriodicService):
                 self._locked.discard(job_id)
             if not extended:
                 self._locked.add(job_id)
-        for job_id, (attempt, task) in held.items():
-            if job_id in kept or self._leased.get(job_id, (None,))[0] != attempt:
+        for job_id, entry in held.items():
+            if job_id in kept or not self._running.holds(entry):
                 continue
             # Lost between heartbeats, or finished and already flushed: only the former
-            # is still leased here with no outcome pending.
-            if task.done():
+            # is still held here with no outcome pending.
+            if entry.task.done():
                 continue
-            self._on_lost(job_id, attempt, task)
+            self._on_lost(entry)
         self._beaten(asked_at)
 
     async def _read_clock(self, conn: psycopg.AsyncConnection[Any]) -> None:
@@ -277,14 +272,14 @@ class Heartbeat(PeriodicService):
         """Give back the jobs running under this worker in the database that it does not
         run. Never one a claim still in flight may deliver: only jobs claimed before the
         oldest such claim was sent, on the database's clock. The order of the looks
-        matters: a claim's jobs enter ``held`` before the claim leaves the claims in
-        flight, and a job's outcome is queued before it leaves ``held``; so a job is seen
+        matters: a claim's jobs are registered before the claim leaves the claims in
+        flight, and a job's outcome is queued before it leaves the registry; so a job is seen
         in one place or another, or its row is no longer this worker's."""
         assert self._settling is not None
         await self._read_clock(conn)
         sent = self._claims.oldest()
         looked_at = time.monotonic()
-        known = set(self._leased)
+        known = set(self._running.snapshot())
         settling = self._settling()
         if settling is None:
             return
@@ -301,34 +296,8 @@ class Heartbeat(PeriodicService):
             return
         cancelled = {int(job_id): int(attempt) for job_id, attempt, asked in unknown if asked}
         strays = {int(job_id): int(attempt) for job_id, attempt, asked in unknown if not asked}
-        given = 0
-        if strays:
-            cur = await conn.execute(
-                self._give_back,
-                {
-                    **fenced_batch({job_id: {"attempt": a} for job_id, a in strays.items()}),
-                    "worker_id": self._worker_id,
-                    "channel": self._channel,
-                },
-            )
-            given = sum(int(row[1]) for row in await cur.fetchall())
-        ended = 0
-        if cancelled:
-            cur = await conn.execute(
-                self._cancel,
-                {
-                    **fenced_batch(
-                        {
-                            job_id: {"attempt": a, "progress": None}
-                            for job_id, a in cancelled.items()
-                        }
-                    ),
-                    "worker_id": self._worker_id,
-                },
-            )
-            ended = len(await cur.fetchall())
-            if ended:
-                await conn.execute(self._done, {"channel": self._done_channel})
+        given = await self._give_back_strays(conn, strays)
+        ended = await self._end_cancelled(conn, cancelled)
         if given or ended:
             self.given_back += given + ended
             # Of those found, a row locked elsewhere or changed since is left for later.
@@ -342,13 +311,45 @@ class Heartbeat(PeriodicService):
                 ended,
             )
 
+    async def _give_back_strays(
+        self, conn: psycopg.AsyncConnection[Any], strays: dict[int, int]
+    ) -> int:
+        """Give back the jobs (id -> attempt) this worker does not run; returns how many."""
+        if not strays:
+            return 0
+        cur = await conn.execute(
+            self._give_back,
+            {
+                **fenced_batch({job_id: {"attempt": a} for job_id, a in strays.items()}),
+                "worker_id": self._worker_id,
+                "channel": self._channel,
+            },
+        )
+        return sum(int(row[1]) for row in await cur.fetchall())
+
+    async def _end_cancelled(
+        self, conn: psycopg.AsyncConnection[Any], cancelled: dict[int, int]
+    ) -> int:
+        """End cancelled, as asked, the jobs (id -> attempt) this worker does not run;
+        returns how many."""
+        if not cancelled:
+            return 0
+        entries = {job_id: {"attempt": a, "progress": None} for job_id, a in cancelled.items()}
+        cur = await conn.execute(
+            self._cancel, {**fenced_batch(entries), "worker_id": self._worker_id}
+        )
+        ended = len(await cur.fetchall())
+        if ended:
+            await conn.execute(self._done, {"channel": self._done_channel})
+        return ended
+
     def _beaten(self, asked_at: float) -> None:
         """Every lease held at ``asked_at`` is confirmed, or its loss acted on."""
         if self._on_beat is not None:
             self._on_beat(asked_at)
 
     async def _write_progress(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        pending = self._take_progress()
+        pending = self._running.take_progress()
         for job_id, (attempt, encoded) in pending.items():
             await conn.execute(
                 self._progress,

@@ -5,15 +5,17 @@ the exception, its traceback at the first and the last attempt only (the job's e
 keep every one). Claims, completions and the other outcomes at INFO, which
 ``skiplock worker -v`` turns on. A job that succeeds costs an ``isEnabledFor`` check.
 Records carry ``job_id``, ``task``, ``queue`` and ``attempt`` for handlers that format
-fields.
+fields. ``JobLog`` is the subscriber to the worker's job events (events.py) that says it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
-from skiplock.completer import Outcome
+from skiplock.events import NoEvents
+from skiplock.outcomes import Outcome
 from skiplock.types import ClaimedJob
 
 jobs_log = logging.getLogger("skiplock.jobs")
@@ -37,19 +39,20 @@ def claimed(job: ClaimedJob) -> None:
 
 
 def finished(job: ClaimedJob, outcome: Outcome, seconds: float) -> None:
-    """A lease-mode attempt's outcome."""
+    """An attempt's outcome, of either path (``outcome.attempt`` is the attempt's number)."""
     if outcome.error is not None:
-        failed(job, job.attempts, outcome)
+        failed(job, outcome)
     elif told():
         jobs_log.info(
             "job %s (%s) %s in %.3fs, attempt %d/%d",
-            *(job.id, job.task, outcome.kind, seconds, job.attempts, job.max_attempts),
-            extra=fields(job, job.attempts),
+            *(job.id, job.task, outcome.kind, seconds, outcome.attempt, job.max_attempts),
+            extra=fields(job, outcome.attempt),
         )
 
 
-def failed(job: ClaimedJob, attempt: int, outcome: Outcome) -> None:
+def failed(job: ClaimedJob, outcome: Outcome) -> None:
     error = outcome.error or {}
+    attempt = outcome.attempt
     last = outcome.dead or attempt >= job.max_attempts
     then = "it is dead" if outcome.dead else f"retrying in {outcome.delay:.3g}s"
     traceback = error.get("traceback") if attempt == 1 or last else None
@@ -65,28 +68,13 @@ def failed(job: ClaimedJob, attempt: int, outcome: Outcome) -> None:
     )
 
 
-def transactional_finished(
-    job: ClaimedJob, kind: str, seconds: float, error: dict[str, Any] | None
-) -> None:
-    """A transactional attempt's outcome; ``error`` is the record written when it failed."""
-    attempt = job.attempts + 1  # a transactional claim does not count the attempt
-    if kind in ("retried", "dead"):
-        record = error or {}
-        last = kind == "dead" or attempt >= job.max_attempts
-        traceback = record.get("traceback") if attempt == 1 or last else None
-        jobs_log.log(
-            logging.ERROR if kind == "dead" else logging.WARNING,
-            "job %s (%s) failed, attempt %d/%d: %s: %s%s%s",
-            *(job.id, job.task, attempt, job.max_attempts),
-            record.get("type", "?"),
-            record.get("message", ""),
-            "; it is dead" if kind == "dead" else "",
-            f"\n{traceback.rstrip()}" if traceback else "",
-            extra=fields(job, attempt),
-        )
-    elif told():
-        jobs_log.info(
-            "job %s (%s) %s in %.3fs, attempt %d/%d",
-            *(job.id, job.task, kind, seconds, attempt, job.max_attempts),
-            extra=fields(job, attempt),
-        )
+class JobLog(NoEvents):
+    """The job events, on the ``skiplock.jobs`` logger."""
+
+    def claimed(self, queue: str, count: int, jobs: Sequence[ClaimedJob]) -> None:
+        if jobs and told():
+            for job in jobs:
+                claimed(job)
+
+    def ended(self, job: ClaimedJob, outcome: Outcome, seconds: float) -> None:
+        finished(job, outcome, seconds)

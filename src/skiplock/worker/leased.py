@@ -1,6 +1,7 @@
 """Lease mode: jobs claimed with a lease, each run as a task of its own (the handler in
-the executor), its outcome handed to the completer. The heartbeat keeps the leases of
-``held``; a job whose lease was lost is cancelled without an outcome of ours to write.
+the executor), its outcome handed to the completer. Each job held is a ``RunningJob`` in
+one registry (running.py), whose leases the heartbeat keeps; a job whose lease was lost is
+cancelled without an outcome of ours to write.
 """
 
 from __future__ import annotations
@@ -8,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import random
 import time
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -20,18 +21,16 @@ from psycopg_pool import AsyncConnectionPool
 
 from skiplock import executor
 from skiplock.app import App
-from skiplock.completer import Completer, Outcome
-from skiplock.context import CancelFlag
+from skiplock.completer import Completer
 from skiplock.cursor import ClaimCursor
-from skiplock.metrics import NullMetrics
+from skiplock.events import EventStream
+from skiplock.outcomes import Cancelled, Outcome
 from skiplock.sql import claim, render
 from skiplock.types import ClaimedJob
-from skiplock.worker import job_log
-from skiplock.worker.heartbeat import Leased
 from skiplock.worker.limits import QueueLimits
 from skiplock.worker.producer import ClaimAhead, Fetch, Reservation, Slots
+from skiplock.worker.running import ClaimTimes, RunningJob, RunningJobs
 from skiplock.worker.starts import StartRecorder
-from skiplock.worker.stats import WorkerStats
 
 log = logging.getLogger("skiplock.worker")
 
@@ -54,14 +53,6 @@ GIVE_BACK_TRIES = 3
 GIVE_BACK_RETRY_SECONDS = 0.1
 
 
-@dataclasses.dataclass
-class ClaimTimes:
-    """When a claim was asked, and when its jobs were in ``held`` (its answer read)."""
-
-    asked_at: float
-    held_at: float = math.inf
-
-
 class LeasedJobs:
     """The lease-mode jobs of one worker process, from claim to outcome."""
 
@@ -71,11 +62,10 @@ class LeasedJobs:
         worker_id: UUID,
         limits: QueueLimits,
         completer: Completer,
-        stats: WorkerStats,
-        metrics: NullMetrics,
+        events: EventStream,
         *,
         lease_seconds: float,
-        gate: asyncio.Semaphore | None,
+        permits: asyncio.Semaphore | None,
         rng: random.Random,
         ahead: ClaimAhead | None = None,
     ) -> None:
@@ -83,25 +73,17 @@ class LeasedJobs:
         self._worker_id = worker_id
         self._limits = limits
         self.completer = completer
-        self._stats = stats
-        self._metrics = metrics
+        self._events = events
         self._lease_seconds = lease_seconds
         # With prefetch, jobs claimed beyond free capacity wait (leased and heartbeated)
-        # at this gate for a slot; ``at_gate`` are those waiting, oldest first, with when
-        # each began to wait (loop time). Past ahead.wait_bound() they are given back.
-        self._gate = gate
-        self.at_gate: dict[int, float] = {}
-        self._gate_timer: asyncio.TimerHandle | None = None
-        # Tasks of jobs given back while they waited (they end without an outcome), and
-        # the give-back writes in flight.
-        self._withdrawn: set[asyncio.Task[None]] = set()
+        # for one of these run permits (RunningJobs.waiting). Past ahead.wait_bound() they
+        # are given back.
+        self._permits = permits
+        self._wait_timer: asyncio.TimerHandle | None = None
         # Give-back writes in flight, and the jobs each gives back.
         self._giving_back: dict[asyncio.Task[None], list[int]] = {}
         self.given_back = 0
         self.stopping = False
-        # Jobs whose handler was called, with when (loop time): a slot whose job has run
-        # past the wait bound is stuck, and claims nothing ahead (ClaimAhead.stuck).
-        self._started_at: dict[int, float] = {}
         # Sizes the claims beyond free slots from how long jobs take (decision 018).
         self.ahead = ahead
         if ahead is not None:
@@ -109,11 +91,8 @@ class LeasedJobs:
         # With prefetch, what records that jobs claimed ahead have started (decision 015).
         self.starts: StartRecorder | None = None
         self._rng = rng
-        # In flight: id -> (attempt, the task running it).
-        self.held: Leased = {}
-        self._cancel_flags: dict[int, CancelFlag] = {}
-        self._job_tasks: dict[int, str] = {}
-        self._progress: dict[int, tuple[int, str]] = {}
+        # Every job held, from its claim to the end of its task.
+        self.running_jobs = RunningJobs()
         # When the last heartbeat that confirmed every lease held took its list of them
         # (monotonic seconds): see CONFIRM_AFTER_SILENCE.
         self.confirmed_at = time.monotonic()
@@ -124,11 +103,11 @@ class LeasedJobs:
     @property
     def running(self) -> int:
         """Jobs whose handler runs now (not those claimed ahead, waiting for a slot)."""
-        return len(self.held) - len(self.at_gate)
+        return self.running_jobs.running
 
-    def runs_in_thread(self, job_id: int) -> bool:
+    def runs_in_thread(self, entry: RunningJob) -> bool:
         """Whether the job's handler is sync (its thread cannot be cancelled)."""
-        handler = self._app.tasks.get(self._job_tasks.get(job_id, ""))
+        handler = self._app.tasks.get(entry.job.task)
         return handler is None or not handler.is_async
 
     def fetch(
@@ -141,7 +120,7 @@ class LeasedJobs:
         slots: Slots,
     ) -> Fetch:
         schema = self._app.schema
-        gate = self._gate
+        permits = self._permits
         # Jobs claimed beyond free run permits may wait for one: marked claimed ahead until
         # their start is recorded, so that rescue does not charge one that never started
         # (decision 015), and they keep their queued-scope unique key until then.
@@ -152,6 +131,7 @@ class LeasedJobs:
             (True, True): render(claim.JOB_CLAIM_AHEAD_AFTER, schema),
         }
         limits = self._limits
+        start = partial(self._run, threads=threads, slots=slots)
 
         async def fetch(reservation: Reservation) -> bool:
             limit = reservation.size
@@ -166,26 +146,19 @@ class LeasedJobs:
             if after is not None:
                 params.update(after_priority=after[0], after_run_at=after[1], after_id=after[2])
             await limits.settled()
-            # The run permits free now are taken for this claim's first jobs, which start
-            # at once: a claim that has one for every job is not marked claimed ahead. Free
-            # permits mean no job waits at the gate, so none is overtaken.
-            granted = 0
-            if gate is not None:
-                while granted < limit and not gate.locked():
-                    await gate.acquire()  # free: returns at once, without yielding
-                    granted += 1
-                if queue in limits:
-                    # A limited queue is never claimed ahead: its running jobs are what
-                    # its limit counts (QUEUE_RUNNING), and a job waiting here would hold
-                    # back every worker. Only what can start now.
-                    params["limit"] = limit = granted
-                    if limit == 0:
-                        return False
-            # Marked: it brings more jobs than it has run permits for (without a gate, every
-            # job runs at once).
-            marked = gate is not None and granted < limit
+            granted = await self._take_permits(limit)
+            if permits is not None and queue in limits:
+                # A limited queue is never claimed ahead: its running jobs are what its
+                # limit counts (QUEUE_RUNNING), and a job waiting here would hold back
+                # every worker. Only what can start now.
+                params["limit"] = limit = granted
+                if limit == 0:
+                    return False
+            # Marked: it brings more jobs than it has run permits for (without permits,
+            # every job runs at once).
+            marked = permits is not None and granted < limit
             statement = statements[marked, after is not None]
-            asked_at = time.monotonic()  # what the answer says holds from then on, at best
+            claimed = ClaimTimes(time.monotonic())  # what the answer says holds from then on
             try:
                 if queue in limits:
                     rows = await limits.claim(queue, statement, params)
@@ -198,222 +171,231 @@ class LeasedJobs:
                 raise
             self._release_permits(granted - len(rows))
             reservation.keep(len(rows))  # each job gives its slot back when it ends
-            claimed = ClaimTimes(asked_at)
-            self._stats.claimed += len(rows)
-            if rows:
-                self._stats.claims += 1
-                self._stats.largest_claim = max(self._stats.largest_claim, len(rows))
-                self._metrics.claimed(queue, len(rows))
-            # Columns 4, 5 and 0 are priority, run_at and id: the claim order. RETURNING
-            # gives no order, and jobs claimed ahead start in the order they are created.
-            positions = sorted((row[4], row[5], row[0], row) for row in rows)
-            rows = [position[3] for position in positions]
-            cursor.advance([position[:3] for position in positions])
-            told = job_log.told()
-            for n, row in enumerate(rows):
-                job = executor.claimed_from_row(row)
-                task = asyncio.create_task(
-                    self._run(
-                        job,
-                        threads,
-                        slots,
-                        claimed,
-                        permitted=n < granted,
-                        marked=marked,
-                        keyed=marked and bool(row[10]),  # the marked claim says which
-                    )
-                )
-                self.held[job.id] = (job.attempts, task)
-                self._job_tasks[job.id] = job.task
-                if told:
-                    job_log.claimed(job)
-            # After the jobs are in ``held`` (the heartbeat, on its own thread, lists them
-            # from there), before their tasks first run.
-            claimed.held_at = time.monotonic()
+            self._register(queue, rows, cursor, claimed, start, granted=granted, marked=marked)
             return len(rows) >= limit
 
         return fetch
 
+    async def _take_permits(self, limit: int) -> int:
+        """Take the run permits free now, up to ``limit``, for a claim's first jobs, which
+        start at once: a claim that has one for every job is not marked claimed ahead.
+        Free permits mean no job waits for one, so none is overtaken."""
+        permits, granted = self._permits, 0
+        if permits is not None:
+            while granted < limit and not permits.locked():
+                await permits.acquire()  # free: returns at once, without yielding
+                granted += 1
+        return granted
+
+    def _register(
+        self,
+        queue: str,
+        rows: list[Any],
+        cursor: ClaimCursor,
+        claimed: ClaimTimes,
+        start: Callable[..., Coroutine[Any, Any, None]],
+        *,
+        granted: int,
+        marked: bool,
+    ) -> None:
+        """Register a claim's jobs, each run by a task of its own, in the claim's order."""
+        # Columns 4, 5 and 0 are priority, run_at and id: the claim order. RETURNING gives
+        # no order, and jobs claimed ahead start in the order they are created.
+        positions = sorted((row[4], row[5], row[0], row) for row in rows)
+        cursor.advance([position[:3] for position in positions])
+        register = self.running_jobs.claimed
+        jobs: list[ClaimedJob] = []
+        for n, (_, _, _, row) in enumerate(positions):
+            job = executor.claimed_from_row(row)
+            run = partial(
+                start,
+                permitted=n < granted,
+                marked=marked,
+                keyed=marked and bool(row[10]),  # the marked claim says which
+            )
+            register(job, claimed, run)
+            jobs.append(job)
+        # After the jobs are registered (the heartbeat lists them from there), before their
+        # tasks first run.
+        claimed.registered_at = time.monotonic()
+        if jobs:
+            self._events.claimed(queue, len(jobs), jobs)
+
     def _release_permits(self, n: int) -> None:
         """Give back run permits a claim took and has no job for."""
         for _ in range(n):
-            if self._gate is not None:
-                self._gate.release()
+            if self._permits is not None:
+                self._permits.release()
 
     async def _run(
         self,
-        job: ClaimedJob,
+        entry: RunningJob,
+        *,
         threads: ThreadPoolExecutor,
         slots: Slots,
-        claimed: ClaimTimes,
-        *,
         permitted: bool = False,
         marked: bool = False,
         keyed: bool = False,
     ) -> None:
-        cancel = self._cancel_flags[job.id] = CancelFlag()
-        gate = self._gate
-        gated = permitted  # its run permit came with the claim
-        loop = asyncio.get_running_loop()
-        me = asyncio.current_task()  # this job's task: read once, it is asked several times
+        self.running_jobs.began(entry)
+        job, cancel = entry.job, entry.cancel
+        permits = self._permits
+        holds_permit = permitted  # its run permit came with the claim
         try:
             started = time.perf_counter()
             try:
-                if gate is not None and not gated:
-                    # A job claimed ahead waits for a run permit. Past the wait bound, or
-                    # when the worker is asked to stop, it is given back (give_back), and
-                    # a cancel request ends it here without running it. Nothing between
-                    # the permit and leaving at_gate yields: a job in at_gate has not
-                    # started and never will once withdrawn.
-                    self.at_gate[job.id] = loop.time()
-                    if self.stopping:
-                        self.give_back([job.id])  # the worker is stopping: not started
-                        raise asyncio.CancelledError
-                    self._watch_gate()
-                    try:
-                        await gate.acquire()
-                        gated = True
-                    finally:
-                        self.at_gate.pop(job.id, None)
+                if permits is not None and not holds_permit:
+                    holds_permit = await self._wait_for_permit(entry, permits)
                     started = time.perf_counter()
-                if gate is not None and not await self._still_ours(job, claimed, me):
+                if not await self._may_start(entry, marked=marked, keyed=keyed):
                     return
-                if cancel.is_set():
-                    raise asyncio.CancelledError  # cancelled while it waited: never ran
-                if keyed:
-                    if not await self._start_keyed(job, me):
-                        return
-                elif marked and self.starts is not None:
-                    self.starts.note(job.id, job.attempts)
-                self._started_at[job.id] = loop.time()
-                self._metrics.job_started(job, job.attempts)
-                run = executor.run_leased(
-                    self._app,
-                    job,
-                    threads,
-                    rng=self._rng,
-                    cancel=cancel,
-                    progress=partial(self._record_progress, job.id, job.attempts),
-                    on_abandoned=partial(self._hold_slot, slots),
-                )
-                tracing = self._app.tracing
-                if tracing is None:
-                    outcome = await run
-                else:
-                    # The span is current while the handler runs (a sync handler's thread
-                    # gets a copy of this task's context): its own spans are children.
-                    with tracing.process(job, job.attempts) as span:
-                        try:
-                            outcome = await run
-                        finally:
-                            if cancel.is_set():  # asked to stop: it ends cancelled (below)
-                                span.ended("cancelled", None)
-                        if not cancel.is_set():
-                            span.ended(outcome.kind, outcome.error)
+                outcome = await self._execute(entry, threads, slots)
             except asyncio.CancelledError:
-                if not cancel.is_set() or me in self._withdrawn:
+                if not cancel.is_set() or entry.given_back:
                     # Shutdown, the lease was lost, or given back unstarted: no outcome of
                     # ours to write.
                     raise
-                outcome = Outcome(job.id, job.attempts, cancelled=True)
-            if cancel.is_set() and not outcome.cancelled:
-                # Asked to stop: however the handler ended (returning early, raising), the
-                # job ends cancelled, as the requester was told.
-                outcome = Outcome(job.id, job.attempts, cancelled=True)
-            pending = self._progress.pop(job.id, None)
-            if pending is not None and pending[0] == job.attempts:
-                outcome = dataclasses.replace(outcome, progress_json=pending[1])
-            seconds = time.perf_counter() - started
-            if self.ahead is not None:
-                self.ahead.job_ended(seconds)
-            self._metrics.job_finished(job.queue, job.task, outcome.kind, seconds)
-            if outcome.error is not None:
-                self._metrics.job_failed(job.queue, job.task, outcome.error)
-            job_log.finished(job, outcome, seconds)
-            holder = self.held.get(job.id, (None, None))[1]
-            if holder is me:
-                self.completer.add(outcome)
-            elif holder is not None:
-                # Given back while it ran and claimed again by this worker: the new claim
-                # writes the attempt's outcome; this one must not (the fence could not
-                # tell the two apart).
-                self._stats.lost_leases += 1
-                log.warning(
-                    "lost the lease of job %s attempt %s while it ran (given back and "
-                    "claimed again); its outcome is dropped",
-                    job.id,
-                    job.attempts,
-                )
+                outcome = Cancelled(job.id, job.attempts)
+            self._ended(entry, outcome, time.perf_counter() - started)
         finally:
-            # Another task may hold the job now (given back and claimed again by this
-            # worker): its entries are left alone.
-            entry = self.held.get(job.id)
-            mine = entry is not None and entry[1] is me
-            if mine:
-                del self.held[job.id]
-            if entry is None or mine:
-                self._cancel_flags.pop(job.id, None)
-                self._job_tasks.pop(job.id, None)
-                self._started_at.pop(job.id, None)
-            if me is not None:
-                self._withdrawn.discard(me)
-            if gated and gate is not None:
-                gate.release()
+            self.running_jobs.finished(entry)
+            if holds_permit and permits is not None:
+                permits.release()
             slots.give(1)
+
+    async def _wait_for_permit(self, entry: RunningJob, permits: asyncio.Semaphore) -> bool:
+        """A job claimed ahead waits for a run permit; True once it has one. Past the wait
+        bound, or when the worker is asked to stop, it is given back (give_back) and its
+        task cancelled here. Nothing between the permit and leaving the waiting jobs
+        yields: a job waiting has not started, and never will once given back."""
+        self.running_jobs.claimed_ahead(entry, asyncio.get_running_loop().time())
+        if self.stopping:
+            self.give_back([entry.id])  # the worker is stopping: not started
+            raise asyncio.CancelledError
+        self._watch_waiting()
+        try:
+            await permits.acquire()
+        finally:
+            self.running_jobs.permitted(entry)
+        return True
+
+    async def _may_start(self, entry: RunningJob, *, marked: bool, keyed: bool) -> bool:
+        """Whether ``entry`` starts now (its claim confirmed after a wait, its queued key
+        released); records its start. Raises CancelledError if cancelled while it waited."""
+        job = entry.job
+        if self._permits is not None and not await self._still_ours(entry):
+            return False
+        if entry.cancel.is_set():
+            raise asyncio.CancelledError  # cancelled while it waited: never ran
+        if keyed:
+            if not await self._start_keyed(entry):
+                return False
+        elif marked and self.starts is not None:
+            self.starts.note(job.id, job.attempts)
+        self.running_jobs.started(entry, asyncio.get_running_loop().time())
+        self._events.started(job, job.attempts)
+        return True
+
+    async def _execute(
+        self, entry: RunningJob, threads: ThreadPoolExecutor, slots: Slots
+    ) -> Outcome:
+        """Call the handler (in its process span, when traced) and return its outcome;
+        a cancellation asked for makes it cancelled, however the handler ended."""
+        job, cancel = entry.job, entry.cancel
+        run = executor.run_leased(
+            self._app,
+            job,
+            threads,
+            rng=self._rng,
+            cancel=cancel,
+            progress=entry.report_progress,
+            on_abandoned=partial(self._hold_slot, slots),
+        )
+        tracing = self._app.tracing
+        if tracing is None:
+            outcome = await run
+        else:
+            # The span is current while the handler runs (a sync handler's thread gets a
+            # copy of this task's context): its own spans are children.
+            with tracing.process(job, job.attempts) as span:
+                try:
+                    outcome = await run
+                finally:
+                    if cancel.is_set():  # asked to stop: it ends cancelled (below)
+                        span.ended("cancelled", None)
+                if not cancel.is_set():
+                    span.ended(outcome.kind, outcome.error)
+        if cancel.is_set() and not outcome.cancelled:
+            # Asked to stop: however the handler ended (returning early, raising), the
+            # job ends cancelled, as the requester was told.
+            outcome = Cancelled(job.id, job.attempts)
+        return outcome
+
+    def _ended(self, entry: RunningJob, outcome: Outcome, seconds: float) -> None:
+        """Report an attempt's outcome, and hand it to the completer if the job is still
+        this attempt's."""
+        job = entry.job
+        progress = entry.take_progress()
+        if progress is not None:
+            outcome = dataclasses.replace(outcome, progress_json=progress)
+        if self.ahead is not None:
+            self.ahead.job_ended(seconds)
+        self._events.ended(job, outcome, seconds)
+        if self.running_jobs.holds(entry):
+            self.completer.add(outcome)
+        elif self.running_jobs.get(job.id) is not None:
+            # Given back while it ran and claimed again by this worker: the new claim
+            # writes the attempt's outcome; this one must not (the fence could not tell
+            # the two apart).
+            self._events.lost(job, job.attempts)
+            log.warning(
+                "lost the lease of job %s attempt %s while it ran (given back and "
+                "claimed again); its outcome is dropped",
+                job.id,
+                job.attempts,
+            )
 
     # -- jobs claimed ahead that wait too long -------------------------------------------
 
     def _stuck(self, bound: float) -> int:
         """Slots whose job has run longer than ``bound`` seconds."""
-        now = asyncio.get_running_loop().time()
-        return sum(1 for since in self._started_at.values() if now - since > bound)
+        return self.running_jobs.running_longer_than(bound, asyncio.get_running_loop().time())
 
-    def _watch_gate(self) -> None:
+    def _watch_waiting(self) -> None:
         """Arm the timer that gives back jobs waiting past the bound, if it is not armed."""
-        if self._gate_timer is not None or not self.at_gate or self.ahead is None:
+        oldest = self.running_jobs.oldest_wait()
+        if self._wait_timer is not None or oldest is None or self.ahead is None:
             return
-        oldest = next(iter(self.at_gate.values()))
         loop = asyncio.get_running_loop()
-        self._gate_timer = loop.call_at(oldest + self.ahead.wait_bound(), self._check_gate)
+        self._wait_timer = loop.call_at(oldest + self.ahead.wait_bound(), self._check_waiting)
 
-    def _check_gate(self) -> None:
-        """Give back the jobs that have waited at the gate past the bound: this worker
+    def _check_waiting(self) -> None:
+        """Give back the jobs that have waited for a permit past the bound: this worker
         cannot start them, and another worker may be able to (decision 018)."""
-        self._gate_timer = None
+        self._wait_timer = None
         if self.ahead is None:
             return
         now = asyncio.get_running_loop().time()
-        bound = self.ahead.wait_bound()
-        overdue: list[int] = []
-        for job_id, since in self.at_gate.items():  # oldest first
-            if now - since < bound:
-                break
-            overdue.append(job_id)
+        overdue = self.running_jobs.waited_past(self.ahead.wait_bound(), now)
         if overdue:
             self.ahead.hold_off()  # before their slots come back: nothing is claimed again
             self.give_back(overdue)
-        self._watch_gate()
+        self._watch_waiting()
 
     def give_back(self, job_ids: list[int] | None = None) -> asyncio.Task[None] | None:
-        """Give back jobs waiting at the gate (``job_ids``, or all of them: the worker is
+        """Give back jobs waiting for a permit (``job_ids``, or all of them: the worker is
         stopping), unstarted: their tasks end without running them, at once, and the
         database is told in one fenced statement (attempts restored, their queued-scope
         keys never dropped), which wakes the workers of their queues. Returns the write."""
-        chosen = list(self.at_gate) if job_ids is None else job_ids
         batch: dict[int, int] = {}
-        for job_id in chosen:
-            if self.at_gate.pop(job_id, None) is None:
-                continue  # it got its permit meanwhile: it is starting
-            entry = self.held.pop(job_id, None)
-            if entry is None:
-                continue
-            batch[job_id] = entry[0]
-            self._withdrawn.add(entry[1])
-            if entry[1] is not asyncio.current_task():  # (else it raises, itself)
-                entry[1].cancel()  # inside gate.acquire(): a permit it got passes on
+        for entry in self.running_jobs.give_back(job_ids):
+            batch[entry.id] = entry.attempt
+            if entry.task is not asyncio.current_task():  # (else it raises, itself)
+                entry.task.cancel()  # inside permits.acquire(): a permit it got passes on
         if not batch:
             return None
         self.given_back += len(batch)
+        self._events.given_back(len(batch))
         write = asyncio.get_running_loop().create_task(self._write_give_back(batch))
         self._giving_back[write] = list(batch)
         write.add_done_callback(lambda done: self._giving_back.pop(done, None))
@@ -421,7 +403,7 @@ class LeasedJobs:
 
     async def _write_give_back(self, batch: dict[int, int]) -> None:
         starts = self.starts
-        assert starts is not None, "only a worker that claims ahead has a gate"
+        assert starts is not None, "only a worker that claims ahead gives back"
         for attempt in range(1, GIVE_BACK_TRIES + 1):
             try:
                 moved = await starts.give_back(batch, stopping=self.stopping)
@@ -440,8 +422,8 @@ class LeasedJobs:
                 return
 
     def give_back_waiting(self) -> asyncio.Task[None] | None:
-        """The worker is stopping: every job waiting at the gate, and any that comes to
-        it from now on, is given back at once instead of waiting for the running jobs."""
+        """The worker is stopping: every job waiting for a permit, and any that comes to
+        wait from now on, is given back at once instead of waiting for the running jobs."""
         self.stopping = True
         return self.give_back()
 
@@ -464,32 +446,31 @@ class LeasedJobs:
     def _fresh_since(self, claimed: ClaimTimes) -> float:
         """Since when the database is known to hold a job claimed at ``claimed`` for this
         worker: since its claim was asked, or since a later heartbeat asked, if that one
-        asked about it (took its list after the job was in it)."""
-        if self.confirmed_at > claimed.held_at:
+        asked about it (took its list after the job was registered)."""
+        if self.confirmed_at > claimed.registered_at:
             return max(claimed.asked_at, self.confirmed_at)
         return claimed.asked_at
 
-    async def _still_ours(
-        self, job: ClaimedJob, claimed: ClaimTimes, me: asyncio.Task[Any] | None
-    ) -> bool:
+    async def _still_ours(self, entry: RunningJob) -> bool:
         """Whether a job that waited for a slot may start. After a silence (a cut link,
         a frozen process) its claim is read first: a rescuer may have given it back and
-        another worker run it, and the heartbeat that would tell may not have come yet
-        (tests/cluster showed such jobs run twice). Unconfirmed, it is dropped without an
-        outcome: if it is still ours after all, its lease runs out and it runs again."""
-        if self._superseded(job, me):
-            self._stats.lost_leases += 1
+        another worker run it, and the heartbeat that would tell may not have come yet.
+        Unconfirmed, it is dropped without an outcome: if it is still ours after all, its
+        lease runs out and it runs again."""
+        job = entry.job
+        if self._superseded(entry):
+            self._events.lost(job, job.attempts)
             return False
         if (
             self.starts is None
-            or time.monotonic() - self._fresh_since(claimed) <= self.confirm_after
+            or time.monotonic() - self._fresh_since(entry.claim) <= self.confirm_after
         ):
             return True
         for _ in range(CONFIRM_TRIES):
             asked_at = time.monotonic()
             try:
                 # Claimed again by this worker meanwhile, the row reads as ours: hence the
-                # second look at ``held`` below.
+                # second look at the registry below.
                 ours = await self.starts.still_claimed(job.id, job.attempts)
             except Exception as exc:  # unconfirmed either way: it must not start
                 log.warning(
@@ -497,10 +478,10 @@ class LeasedJobs:
                     job.id,
                     exc,
                 )
-                self._stats.lost_leases += 1
+                self._events.lost(job, job.attempts)
                 return False
             if not ours:
-                self._stats.lost_leases += 1
+                self._events.lost(job, job.attempts)
                 log.warning(
                     "job %s attempt %s: given back while it waited for a slot (this "
                     "worker was out of touch); not starting it",
@@ -513,23 +494,24 @@ class LeasedJobs:
             # The yes is as old as the question: the worker stopped while it was on its
             # way, and the job may have been given back since. Ask again.
         else:
-            self._stats.lost_leases += 1
+            self._events.lost(job, job.attempts)
             log.warning(
                 "job %s attempt %s: every confirmation of its claim came late; not starting it",
                 job.id,
                 job.attempts,
             )
             return False
-        if self._superseded(job, me):
-            self._stats.lost_leases += 1
+        if self._superseded(entry):
+            self._events.lost(job, job.attempts)
             return False
         return True
 
-    async def _start_keyed(self, job: ClaimedJob, me: asyncio.Task[Any] | None) -> bool:
+    async def _start_keyed(self, entry: RunningJob) -> bool:
         """Release a claimed-ahead job's queued-scope key, recording its start, before it
         starts (JOB_START_KEYED). Not written, it does not start: its lease runs out,
         and rescue gives it back with its key."""
         assert self.starts is not None
+        job = entry.job
         for attempt in range(1, CONFIRM_TRIES + 1):
             try:
                 started = await self.starts.start_keyed(job.id, job.attempts)
@@ -543,7 +525,7 @@ class LeasedJobs:
             if started:
                 # Given back and claimed again meanwhile by this worker: the new claim's
                 # task runs it (the write could not tell the two apart).
-                return not self._superseded(job, me)
+                return not self._superseded(entry)
             if attempt < CONFIRM_TRIES:
                 await asyncio.sleep(GIVE_BACK_RETRY_SECONDS)  # locked by another transaction?
         else:
@@ -553,20 +535,21 @@ class LeasedJobs:
                 job.id,
                 job.attempts,
             )
-        self._stats.lost_leases += 1
+        self._events.lost(job, job.attempts)
         return False
 
-    def _superseded(self, job: ClaimedJob, me: asyncio.Task[Any] | None) -> bool:
-        """Whether the job's task ``me`` no longer holds it: given back while it waited,
-        and claimed again by this worker, whose newer task holds it now."""
-        entry = self.held.get(job.id)
-        if entry is not None and entry[1] is me:
+    def _superseded(self, entry: RunningJob) -> bool:
+        """Whether ``entry`` is no longer held: given back while it waited, and maybe
+        claimed again by this worker, whose newer attempt is held now."""
+        if self.running_jobs.holds(entry):
             return False
         log.warning(
             "job %s attempt %s: given back while it waited for a slot%s; not starting it",
-            job.id,
-            job.attempts,
-            "" if entry is None else " and claimed again (the new claim runs it)",
+            entry.id,
+            entry.attempt,
+            ""
+            if self.running_jobs.get(entry.id) is None
+            else " and claimed again (the new claim runs it)",
         )
         return True
 
@@ -576,29 +559,26 @@ class LeasedJobs:
         slots.take(1)
         thread.add_done_callback(lambda _: slots.give(1))
 
-    def _record_progress(self, job_id: int, attempt: int, encoded: str) -> None:
-        # Called from handler threads too: a dict assignment is atomic under the GIL.
-        self._progress[job_id] = (attempt, encoded)
-
-    def take_progress(self) -> dict[int, tuple[int, str]]:
-        pending, self._progress = self._progress, {}
-        return pending
-
     def request_cancel(self, job_id: int) -> None:
         """Stop a running job of this worker: async handlers are cancelled, sync handlers
         see ``skiplock.cancel_requested()`` turn true. The job ends cancelled."""
-        flag = self._cancel_flags.get(job_id)
-        entry = self.held.get(job_id)
-        if flag is None or entry is None or flag.is_set():
+        entry = self.running_jobs.cancelled(job_id)
+        if entry is None:
             return
-        flag.set()
         log.info("cancelling job %s on request", job_id)
-        task = self._app.tasks.get(self._job_tasks.get(job_id, ""))
-        if task is not None and task.is_async:
-            entry[1].cancel()
+        if not self.runs_in_thread(entry):
+            entry.task.cancel()
 
-    def lost(self, job_id: int, attempt: int, task: asyncio.Task[None]) -> None:
-        self._stats.lost_leases += 1
-        log.warning("lost the lease of job %s attempt %s; cancelling it", job_id, attempt)
-        del self.held[job_id]
-        task.cancel()
+    def lost(self, entry: RunningJob) -> None:
+        """The heartbeat found ``entry``'s lease lost: its task is cancelled, no outcome."""
+        if not self.running_jobs.lease_lost(entry):
+            return
+        self._events.lost(entry.job, entry.attempt)
+        log.warning("lost the lease of job %s attempt %s; cancelling it", entry.id, entry.attempt)
+        entry.task.cancel()
+
+    def cut_short(self, entry: RunningJob) -> None:
+        """Shutdown: ``entry`` still runs at the timeout; it leaves the registry (the drain
+        releases it) and its task is cancelled."""
+        if self.running_jobs.lease_lost(entry):
+            entry.task.cancel()

@@ -83,7 +83,7 @@ async def _wait_for_running(parts: Parts, abandon: asyncio.Event) -> tuple[dict[
     """Wait for the running jobs until the timeout or a second signal; cut short the ones
     still running. Returns those of lease mode (job id: attempt) and the abandoned threads."""
     jobs, sessions = parts.jobs, parts.sessions
-    running = [task for _, task in jobs.held.values()] + list(sessions.running)
+    running = [entry.task for entry in jobs.running_jobs] + list(sessions.running)
     if not running:
         return {}, 0
     timeout = max(parts.options.shutdown_timeout, 0.001)
@@ -94,13 +94,12 @@ async def _wait_for_running(parts: Parts, abandon: asyncio.Event) -> tuple[dict[
     still = {task for task in running if not task.done()}
     unfinished: dict[int, int] = {}
     abandoned = 0
-    for job_id, (attempt, task) in list(jobs.held.items()):
-        if task in still:
-            unfinished[job_id] = attempt
-            if jobs.runs_in_thread(job_id):
+    for entry in jobs.running_jobs:
+        if entry.task in still:
+            unfinished[entry.id] = entry.attempt
+            if jobs.runs_in_thread(entry):
                 abandoned += 1  # a thread cannot be cancelled
-            del jobs.held[job_id]
-            task.cancel()
+            jobs.cut_short(entry)
     # Their running jobs cut short, the batches commit what finished before them.
     abandoned += await sessions.cut_short()
     return unfinished, abandoned

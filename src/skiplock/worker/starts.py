@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import Any
 from uuid import UUID
 
@@ -45,7 +45,7 @@ class StartRecorder(PeriodicService):
         pool: AsyncConnectionPool[Any],
         schema: str,
         worker_id: UUID,
-        leased: Mapping[int, tuple[int, Any]],
+        attempt_of: Callable[[int], int | None],
         *,
         after: float = RECORD_AFTER_SECONDS,
     ) -> None:
@@ -58,7 +58,7 @@ class StartRecorder(PeriodicService):
         self._channel = notify_channel(schema)
         self._done_channel = done_channel(schema)
         self._worker_id = worker_id
-        self._leased = leased
+        self._attempt_of = attempt_of
         self._after = after
         self._started: dict[int, int] = {}
         self._noted = asyncio.Event()
@@ -118,7 +118,7 @@ class StartRecorder(PeriodicService):
         running = {
             job_id: {"attempt": attempt}
             for job_id, attempt in started.items()
-            if self._leased.get(job_id, (None,))[0] == attempt
+            if self._attempt_of(job_id) == attempt
         }
         if not running:
             return

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from skiplock.events import NoEvents
+from skiplock.types import ClaimedJob
 
 
 @dataclass
@@ -16,3 +20,20 @@ class WorkerStats:
     rescued: int = 0
     transactional_completed: int = 0
     admitted: int = 0
+
+
+class StatsEvents(NoEvents):
+    """Counts the job events into ``stats``."""
+
+    def __init__(self, stats: WorkerStats) -> None:
+        self.stats = stats
+
+    def claimed(self, queue: str, count: int, jobs: Sequence[ClaimedJob]) -> None:
+        stats = self.stats
+        stats.claimed += count
+        if jobs:  # a lease-mode claim
+            stats.claims += 1
+            stats.largest_claim = max(stats.largest_claim, len(jobs))
+
+    def lost(self, job: ClaimedJob, attempt: int) -> None:
+        self.stats.lost_leases += 1

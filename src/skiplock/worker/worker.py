@@ -31,14 +31,12 @@ from skiplock.app import App
 from skiplock.control import AdmitRequest, CancelRequest, ControlMessage, LimitsChanged
 from skiplock.errors import ConfigurationError, SchemaNotReadyError
 from skiplock.leadership import Leadership
-from skiplock.metrics import NullMetrics
+from skiplock.metrics import Metrics, NullMetrics
 from skiplock.migrate import pending_migrations
 from skiplock.pooler import WorkerConnections
 from skiplock.retry import RetryPolicy
 from skiplock.sql import claim, maintenance, render
-from skiplock.types import ClaimedJob
 from skiplock.waiting import wait_event
-from skiplock.worker import job_log
 from skiplock.worker.assembly import Parts, TaskSplit
 from skiplock.worker.heartbeat import ClaimsInFlight
 from skiplock.worker.keepalives import with_keepalives
@@ -87,7 +85,7 @@ class Worker:
         app: App,
         options: WorkerOptions | None = None,
         *,
-        metrics: NullMetrics | None = None,
+        metrics: Metrics | None = None,
         **fields: Any,
     ) -> None:
         if fields:
@@ -104,7 +102,7 @@ class Worker:
             app = _serving_default_database(app, options.queues)
         self.app = app
         self.options = options
-        self.metrics = metrics or NullMetrics()
+        self.metrics: Metrics = metrics or NullMetrics()
         # The options as they apply together (options.py).
         self.queues = list(options.queues)
         self.concurrency = options.concurrency
@@ -281,10 +279,6 @@ class Worker:
 
     # -- what the parts report ------------------------------------------------------------
 
-    def claimed(self, queue: str, count: int) -> None:
-        self.stats.claimed += count
-        self.metrics.claimed(queue, count)
-
     def _busy_slots(self) -> int:
         """Slots running a job now, for the metrics (read from the scrape's thread)."""
         return self.parts.busy if self.parts is not None else 0
@@ -296,15 +290,6 @@ class Worker:
 
     def transactional_completed(self, count: int) -> None:
         self.stats.transactional_completed += count
-
-    def transactional_finished(
-        self, job: ClaimedJob, kind: str, seconds: float, error: dict[str, Any] | None
-    ) -> None:
-        self.metrics.job_started(job, job.attempts + 1, seconds)
-        self.metrics.job_finished(job.queue, job.task, kind, seconds)
-        if error is not None:
-            self.metrics.job_failed(job.queue, job.task, error)
-        job_log.transactional_finished(job, kind, seconds, error)
 
     def request_cancel(self, job_id: int) -> None:
         """Stop a running job of this worker: async handlers are cancelled, sync handlers

@@ -1,0 +1,187 @@
+"""What one attempt of a job came to: a closed set of types, each written by one statement.
+
+``Completed``, ``Retried``, ``Dead``, ``Snoozed`` and ``Cancelled`` are the outcomes a
+worker writes (``Outcome`` is their union). Each says which statement writes it
+(``statements``, of its ``group``) and what it puts in that statement's batch
+(``entry``); a transactional
+attempt's outcome is written by ``locked_write``. A failed attempt, retried or dead, is
+written by the one failure statement, whose entry says which: a flush with both costs
+one statement, not two.
+
+Every outcome carries the same readers (``kind``, ``error``, ``dead``, ``delay``,
+``cancelled``, ``result_json``), so that logs, metrics and spans read any of them alike.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from skiplock.sql import complete, render
+
+# The statement families of lease-mode outcomes: each batch statement (fenced, in the
+# flush's transaction) and its twin that commits alone (sql/complete.py).
+COMPLETE = (complete.JOB_COMPLETE_MANY_IF_LEASED, complete.JOB_COMPLETE_MANY_ALONE)
+FAIL = (complete.JOB_FAIL_MANY_IF_LEASED, complete.JOB_FAIL_MANY_ALONE)
+SNOOZE = (complete.JOB_SNOOZE_MANY_IF_LEASED, complete.JOB_SNOOZE_MANY_ALONE)
+CANCEL = (complete.JOB_CANCEL_MANY_IF_LEASED, complete.JOB_CANCEL_MANY_ALONE)
+
+
+def _entry(attempt: int, progress_json: str | None) -> dict[str, Any]:
+    # A value left out reads as NULL (->>), as JSON null does: less to encode, send and
+    # parse for the progress most outcomes do not have.
+    entry: dict[str, Any] = {"attempt": attempt}
+    if progress_json is not None:
+        entry["progress"] = progress_json
+    return entry
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    """The handler returned; ``result_json`` is its encoded return value (None: none)."""
+
+    job_id: int
+    attempt: int
+    result_json: str | None = None
+    # The handler's latest set_progress() not yet written: it goes in with the outcome.
+    progress_json: str | None = None
+
+    kind: ClassVar[str] = "completed"
+    group: ClassVar[str] = "completed"
+    statements: ClassVar[tuple[str, str]] = COMPLETE
+    error: ClassVar[None] = None
+    dead: ClassVar[bool] = False
+    delay: ClassVar[float] = 0.0
+    cancelled: ClassVar[bool] = False
+
+    def entry(self) -> dict[str, Any]:
+        entry = _entry(self.attempt, self.progress_json)
+        if self.result_json is not None:
+            entry["result"] = self.result_json
+        return entry
+
+
+@dataclass(frozen=True, slots=True)
+class Retried:
+    """The attempt failed (``error`` is its record); the job runs again ``delay`` s on."""
+
+    job_id: int
+    attempt: int
+    error: dict[str, Any]
+    delay: float = 0.0
+    progress_json: str | None = None
+
+    kind: ClassVar[str] = "retried"
+    group: ClassVar[str] = "failed"
+    result_json: ClassVar[None] = None
+    statements: ClassVar[tuple[str, str]] = FAIL
+    dead: ClassVar[bool] = False
+    cancelled: ClassVar[bool] = False
+
+    def entry(self) -> dict[str, Any]:
+        entry = _entry(self.attempt, self.progress_json)
+        entry.update(dead=False, delay=self.delay, error=self.error)
+        return entry
+
+
+@dataclass(frozen=True, slots=True)
+class Dead:
+    """The attempt failed and was the last one the job gets (``error`` is its record)."""
+
+    job_id: int
+    attempt: int
+    error: dict[str, Any]
+    # The back-off the retry policy gave, kept as the row's retry_at as before.
+    delay: float = 0.0
+    progress_json: str | None = None
+
+    kind: ClassVar[str] = "dead"
+    group: ClassVar[str] = "failed"
+    result_json: ClassVar[None] = None
+    statements: ClassVar[tuple[str, str]] = FAIL
+    dead: ClassVar[bool] = True
+    cancelled: ClassVar[bool] = False
+
+    def entry(self) -> dict[str, Any]:
+        entry = _entry(self.attempt, self.progress_json)
+        entry.update(dead=True, delay=self.delay, error=self.error)
+        return entry
+
+
+@dataclass(frozen=True, slots=True)
+class Snoozed:
+    """The handler raised Snooze: the job waits ``delay`` s, the attempt uncounted."""
+
+    job_id: int
+    attempt: int
+    delay: float = 0.0
+    progress_json: str | None = None
+
+    kind: ClassVar[str] = "snoozed"
+    group: ClassVar[str] = "snoozed"
+    result_json: ClassVar[None] = None
+    statements: ClassVar[tuple[str, str]] = SNOOZE
+    error: ClassVar[None] = None
+    dead: ClassVar[bool] = False
+    cancelled: ClassVar[bool] = False
+
+    def entry(self) -> dict[str, Any]:
+        entry = _entry(self.attempt, self.progress_json)
+        entry["delay"] = self.delay
+        return entry
+
+
+@dataclass(frozen=True, slots=True)
+class Cancelled:
+    """The job was asked to stop while it ran, and it did."""
+
+    job_id: int
+    attempt: int
+    progress_json: str | None = None
+
+    kind: ClassVar[str] = "cancelled"
+    group: ClassVar[str] = "cancelled"
+    result_json: ClassVar[None] = None
+    statements: ClassVar[tuple[str, str]] = CANCEL
+    error: ClassVar[None] = None
+    dead: ClassVar[bool] = False
+    delay: ClassVar[float] = 0.0
+    cancelled: ClassVar[bool] = True
+
+    def entry(self) -> dict[str, Any]:
+        return _entry(self.attempt, self.progress_json)
+
+
+Outcome = Completed | Retried | Dead | Snoozed | Cancelled
+Failed = Retried | Dead
+# Every outcome type, for code that must handle each.
+OUTCOME_TYPES: tuple[type[Outcome], ...] = (Completed, Retried, Dead, Snoozed, Cancelled)
+
+
+def failed(job_id: int, attempt: int, error: dict[str, Any], *, dead: bool, delay: float) -> Failed:
+    """A failed attempt: dead, or retried after ``delay`` seconds."""
+    if dead:
+        return Dead(job_id, attempt, error, delay)
+    return Retried(job_id, attempt, error, delay)
+
+
+def locked_write(schema: str, outcome: Outcome) -> tuple[str, dict[str, Any]]:
+    """The statement and parameters writing a transactional attempt's outcome: its row is
+    locked by the batch's own transaction (sql/complete.py, *_LOCKED)."""
+    if isinstance(outcome, Completed):
+        statement = complete.JOB_COMPLETE_LOCKED
+        return render(statement, schema), {"id": outcome.job_id, "result": outcome.result_json}
+    if isinstance(outcome, Snoozed):
+        return render(complete.JOB_SNOOZE_LOCKED, schema), {
+            "id": outcome.job_id,
+            "delay": outcome.delay,
+        }
+    if isinstance(outcome, Retried | Dead):
+        return render(complete.JOB_FAIL_LOCKED, schema), {
+            "id": outcome.job_id,
+            "dead": outcome.dead,
+            "delay": outcome.delay,
+            "error": json.dumps(outcome.error),
+        }
+    raise ValueError(f"a transactional attempt does not end {outcome.kind}")
