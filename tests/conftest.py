@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -32,6 +33,20 @@ from skiplock.sql import render, wakeup
 
 SCHEMA = "skiplock"
 CHANNEL = f"{SCHEMA}.jobs"
+
+# Suites that build servers of their own, network namespaces or a pgbouncer: under
+# pytest-xdist (``--dist loadgroup``) they share one worker and so run one at a time, as
+# their hosts, namespaces and CPU budgets expect; every other test is independent (each
+# xdist worker has its own database, see ``database_url``).
+SERIAL_SUITES = ("cluster", "failover", "pooler")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    for item in items:
+        relative = item.path.relative_to(tests) if item.path.is_relative_to(tests) else None
+        if relative is not None and relative.parts[0] in SERIAL_SUITES:
+            item.add_marker(pytest.mark.xdist_group("servers"))
 
 
 @pytest.fixture(scope="session")
