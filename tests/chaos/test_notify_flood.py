@@ -32,7 +32,7 @@ import pytest
 
 import skiplock
 from conftest import WorkerThread
-from test_hostile_notify import liveness_lock_held, no_rights_role
+from test_notify_untrusted import liveness_lock_held, no_rights_role
 
 from .conftest import (
     DEFAULT_JOBS,
