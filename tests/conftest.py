@@ -16,10 +16,10 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import pytest
@@ -33,20 +33,23 @@ from skiplock.sql import render, wakeup
 
 SCHEMA = "skiplock"
 CHANNEL = f"{SCHEMA}.jobs"
+T = TypeVar("T")
 
-# Suites that build servers of their own, network namespaces or a pgbouncer: under
-# pytest-xdist (``--dist loadgroup``) they share one worker and so run one at a time, as
-# their hosts, namespaces and CPU budgets expect; every other test is independent (each
-# xdist worker has its own database, see ``database_url``).
-SERIAL_SUITES = ("cluster", "failover", "pooler")
+# Suites that must not run side by side, under pytest-xdist's ``--dist loadgroup``: each
+# group runs on one xdist worker, one test at a time. ``servers``: the suites that build
+# network namespaces, servers of their own or a pgbouncer. ``chaos``: the scenarios that
+# drive several worker processes flat out for their figures. Every other test is
+# independent: each xdist worker has its own database (``database_url``).
+SERIAL_GROUPS = {"cluster": "servers", "failover": "servers", "pooler": "servers", "chaos": "chaos"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests = Path(__file__).parent
     for item in items:
-        relative = item.path.relative_to(tests) if item.path.is_relative_to(tests) else None
-        if relative is not None and relative.parts[0] in SERIAL_SUITES:
-            item.add_marker(pytest.mark.xdist_group("servers"))
+        if item.path.is_relative_to(tests):
+            group = SERIAL_GROUPS.get(item.path.relative_to(tests).parts[0])
+            if group is not None:
+                item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
@@ -112,16 +115,33 @@ def autocommit(database_url: str) -> Iterator[psycopg.Connection[Any]]:
 
 
 def wait_until(
-    predicate: Callable[[], object], timeout: float = 10.0, what: str = "condition"
-) -> None:
-    """Poll ``predicate`` until it is truthy; fail with ``what`` after ``timeout`` seconds."""
+    predicate: Callable[[], T],
+    timeout: float = 10.0,
+    what: str = "condition",
+    *,
+    interval: float | None = None,
+    check: Callable[[], object] | Sequence[Callable[[], object]] = (),
+) -> T:
+    """Poll ``predicate`` until it returns something truthy, and return that.
+
+    Fails with ``what`` after ``timeout`` seconds, or at once when ``check`` (or one of
+    several) raises: a worker process that died, say. Polls every ``interval`` seconds,
+    or by default every few milliseconds at first and then every 50 ms.
+    """
     deadline = time.monotonic() + timeout
-    pause = 0.005
-    while not predicate():
+    checks = (check,) if callable(check) else tuple(check)
+    pause = interval if interval is not None else 0.005
+    while True:
+        for each in checks:
+            each()
+        value = predicate()
+        if value:
+            return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(pause)
-        pause = min(pause * 2, 0.05)
+        if interval is None:
+            pause = min(pause * 2, 0.05)
 
 
 # -- rows in any state -----------------------------------------------------------------

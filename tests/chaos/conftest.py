@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ import pytest
 from psycopg import sql
 
 import skiplock
+from conftest import wait_until
 
 from .chaos_app import EXECUTIONS_TABLE
 
@@ -409,30 +409,6 @@ def fleet(chaos_db: ChaosDatabase, fleet_factory: Callable[[str], Fleet]) -> Fle
 
 
 # -- waiting ------------------------------------------------------------------------------
-
-
-def wait_until(
-    predicate: Callable[[], T],
-    timeout: float,
-    interval: float = 0.02,
-    *,
-    what: str = "",
-    check: Callable[[], None] | None = None,
-) -> T:
-    """Poll ``predicate`` until it returns something truthy, and return that.
-
-    Fails after ``timeout`` seconds, or at once when ``check`` raises (a worker died).
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        if check is not None:
-            check()
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
-        time.sleep(interval)
 
 
 # -- figures --------------------------------------------------------------------------------
