@@ -18,6 +18,8 @@ from skiplock.completer import Completer, Outcome, fenced_batch
 from skiplock.config import done_channel
 from skiplock.sql import complete, render
 
+pytestmark = pytest.mark.server_version
+
 ALONE: dict[str, tuple[str, dict[str, Any]]] = {
     "completed": (complete.JOB_COMPLETE_MANY_ALONE, {"result": '"done"'}),
     "failed": (
