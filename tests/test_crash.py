@@ -11,13 +11,9 @@ to pass (a lease, a leader's term) it moves the deadline in the database instead
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,6 +22,7 @@ import pytest
 
 import skiplock
 from conftest import wait_until
+from processes import WorkerProcess, kill_all, registered_worker_id, spawn_worker_process
 from skiplock.completer import fenced_batch
 from skiplock.config import notify_channel
 from skiplock.sql import claim, complete, maintenance, render
@@ -36,7 +33,6 @@ LEASED = "crash.leased"
 LEASED_ASYNC = "crash.leased_async"
 TRANSACTIONAL = "crash.transactional"
 TRANSACTIONAL_ASYNC = "crash.transactional_async"
-ROOT = Path(__file__).resolve().parent.parent
 WORKER_APP = "tests.crash_app:app"
 
 # Bounds for things that take milliseconds when all is well; they only decide how long a
@@ -72,44 +68,6 @@ CREATE TABLE crash_effects (
 # -- waiting and worker processes -------------------------------------------------------
 
 
-@dataclass
-class WorkerProcess:
-    """A ``skiplock worker`` subprocess, its log, and its id once it registered."""
-
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    id: uuid.UUID | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def send(self, signum: int) -> None:
-        self.proc.send_signal(signum)
-
-    def kill(self) -> None:
-        """SIGKILL, and reap it: its sockets are closed once this returns."""
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=STEP_TIMEOUT)
-
-    def stop(self) -> None:
-        """SIGSTOP, returning once the kernel shows the process stopped."""
-        self.proc.send_signal(signal.SIGSTOP)
-        wait_until(self.is_stopped, STEP_TIMEOUT, what=f"worker {self.pid} to stop")
-
-    def is_stopped(self) -> bool:
-        stat = Path(f"/proc/{self.pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] == "T"
-
-    def check_alive(self) -> None:
-        code = self.proc.poll()
-        if code is not None:
-            raise AssertionError(f"worker {self.pid} exited with {code}:\n{self.log()[-4000:]}")
-
-
 SpawnWorker = Callable[..., WorkerProcess]
 
 
@@ -140,7 +98,6 @@ def spawn_worker(
     """Start worker processes on the crash queue and wait until each has registered.
     Every one still alive at the end is killed, stopped ones included, pass or fail."""
     started: list[WorkerProcess] = []
-    env = {**os.environ, "SKIPLOCK_DATABASE_URL": database_url}
 
     def spawn(
         *,
@@ -149,28 +106,19 @@ def spawn_worker(
         shutdown_timeout: float = 30.0,
         prefetch: int = 0,
     ) -> WorkerProcess:
-        command = [
-            *(sys.executable, "-m", "skiplock", "--database-url", database_url),
-            *("worker", WORKER_APP, "--queues", QUEUE, "--concurrency", str(concurrency)),
+        log_path = tmp_path / f"worker-{len(started)}.log"
+        worker = spawn_worker_process(
+            database_url,
+            WORKER_APP,
+            *("--queues", QUEUE, "--concurrency", str(concurrency)),
             *("--lease", str(lease), "--shutdown-timeout", str(shutdown_timeout)),
             *("--poll-interval", "0.1", "--prefetch", str(prefetch)),
-        ]
-        log_path = tmp_path / f"worker-{len(started)}.log"
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-            )
-        worker = WorkerProcess(proc, log_path)
+            log_path=log_path,
+            env={"SKIPLOCK_DATABASE_URL": database_url},
+        )
         started.append(worker)
-
-        def registered() -> uuid.UUID | None:
-            row = db.execute(
-                "SELECT id FROM skiplock.workers WHERE pid = %s", (worker.pid,)
-            ).fetchone()
-            return None if row is None else uuid.UUID(str(row[0]))
-
         worker.id = wait_until(
-            registered,
+            lambda: registered_worker_id(db, worker.pid),
             STARTUP_TIMEOUT,
             what=f"worker {worker.pid} to register",
             check=worker.check_alive,
@@ -178,10 +126,7 @@ def spawn_worker(
         return worker
 
     yield spawn
-    for worker in started:
-        if worker.proc.poll() is None:
-            worker.proc.send_signal(signal.SIGKILL)  # stopped ones too: no SIGCONT needed
-        worker.proc.wait(timeout=STEP_TIMEOUT)
+    kill_all(started)
 
 
 # -- reading and steering the jobs ------------------------------------------------------

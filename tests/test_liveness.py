@@ -13,10 +13,7 @@ handlers record each start in ``crash_executions`` and hold until the test relea
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -31,16 +28,15 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import skiplock
 from conftest import StartWorker, wait_until
+from processes import WorkerProcess, kill_all, registered_worker_id, spawn_worker_process
 from skiplock.sql import maintenance, render
 from test_crash import (
     CRASH_TABLES,
     LEASED,
     QUEUE,
-    ROOT,
     STARTUP_TIMEOUT,
     STEP_TIMEOUT,
     WORKER_APP,
-    WorkerProcess,
     enqueue,
     executions,
     history,
@@ -93,29 +89,19 @@ def spawn(database_url: str, db: psycopg.Connection[Any], tmp_path: Path) -> Ite
     def start(
         *, queues: str = QUEUE, concurrency: int = 4, env: dict[str, str] | None = None
     ) -> WorkerProcess:
-        command = [
-            *(sys.executable, "-m", "skiplock", "--database-url", database_url),
-            *("worker", WORKER_APP, "--queues", queues, "--concurrency", str(concurrency)),
+        worker = spawn_worker_process(
+            database_url,
+            WORKER_APP,
+            *("--queues", queues, "--concurrency", str(concurrency)),
             *("--lease", "30", "--poll-interval", "0.1"),
-        ]
-        log_path = tmp_path / f"worker-{len(started)}.log"
-        environment = {**os.environ, "SKIPLOCK_DATABASE_URL": database_url, **(env or {})}
-        environment.pop("PGAPPNAME", None)  # the worker names its sessions itself
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                command, cwd=ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT
-            )
-        worker = WorkerProcess(proc, log_path)
+            log_path=tmp_path / f"worker-{len(started)}.log",
+            # the worker names its sessions itself
+            env={"SKIPLOCK_DATABASE_URL": database_url, "PGAPPNAME": None, **(env or {})},
+        )
         started.append(worker)
 
-        def registered() -> uuid.UUID | None:
-            row = db.execute(
-                "SELECT id FROM skiplock.workers WHERE pid = %s", (worker.pid,)
-            ).fetchone()
-            return None if row is None else uuid.UUID(str(row[0]))
-
         worker.id = wait_until(
-            registered,
+            lambda: registered_worker_id(db, worker.pid),
             STARTUP_TIMEOUT,
             what=f"worker {worker.pid} to register",
             check=worker.check_alive,
@@ -123,10 +109,7 @@ def spawn(database_url: str, db: psycopg.Connection[Any], tmp_path: Path) -> Ite
         return worker
 
     yield start
-    for worker in started:
-        if worker.proc.poll() is None:
-            worker.proc.send_signal(signal.SIGKILL)
-        worker.proc.wait(timeout=STEP_TIMEOUT)
+    kill_all(started)
 
 
 def leader(db: psycopg.Connection[Any]) -> uuid.UUID | None:

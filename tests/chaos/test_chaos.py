@@ -38,6 +38,7 @@ import pytest
 
 import skiplock
 from conftest import WorkerThread, wait_until
+from processes import WorkerProcess
 
 from .chaos_app import (
     ASYNC_TASK,
@@ -58,7 +59,6 @@ from .conftest import (
     Event,
     Fleet,
     PrivateServer,
-    WorkerProcess,
     record_figures,
     size_timeout,
     utcnow,

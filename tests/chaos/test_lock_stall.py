@@ -28,6 +28,7 @@ import psycopg
 import pytest
 
 from conftest import wait_until
+from processes import WorkerProcess
 
 from .chaos_app import ASYNC_TASK, QUEUE, work_async, work_sync
 from .conftest import (
@@ -36,7 +37,6 @@ from .conftest import (
     SCHEMA,
     ChaosDatabase,
     Fleet,
-    WorkerProcess,
     record_figures,
 )
 from .test_chaos import completed, enqueue, judge
