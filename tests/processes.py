@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,18 +95,20 @@ def spawn_worker_process(
     *worker_args: str,
     log_path: Path,
     schema: str | None = None,
+    options: Sequence[str] = (),
     appname: str = "",
     env: Mapping[str, str | None] | None = None,
     wrap: Callable[[list[str]], list[str]] | None = None,
 ) -> WorkerProcess:
-    """Start ``python -m skiplock --database-url URL [--schema S] worker APP ARGS...`` from
-    the repository, not waiting for it. ``env`` is laid over this process's environment
-    (a None value removes a variable); ``appname``, when given, is its ``PGAPPNAME``;
-    ``wrap`` turns the command into the one to run (``ip netns exec HOST ...``, say)."""
+    """Start ``python -m skiplock --database-url URL [--schema S] OPTIONS... worker APP
+    ARGS...`` from the repository, not waiting for it. ``env`` is laid over this
+    process's environment (a None value removes a variable); ``appname``, when given, is
+    its ``PGAPPNAME``; ``wrap`` turns the command into the one to run (``ip netns exec
+    HOST ...``, say)."""
     command = [sys.executable, "-m", "skiplock", "--database-url", url]
     if schema is not None:
         command += ["--schema", schema]
-    command += ["worker", app, *worker_args]
+    command += [*options, "worker", app, *worker_args]
     if wrap is not None:
         command = wrap(command)
     environment = {**os.environ, "PYTHONFAULTHANDLER": "1"}
