@@ -35,21 +35,22 @@ SCHEMA = "skiplock"
 CHANNEL = f"{SCHEMA}.jobs"
 T = TypeVar("T")
 
-# Suites that must not run side by side, under pytest-xdist's ``--dist loadgroup``: each
-# group runs on one xdist worker, one test at a time. ``servers``: the suites that build
-# network namespaces, servers of their own or a pgbouncer. ``chaos``: the scenarios that
-# drive several worker processes flat out for their figures. Every other test is
-# independent: each xdist worker has its own database (``database_url``).
-SERIAL_GROUPS = {"cluster": "servers", "failover": "servers", "pooler": "servers", "chaos": "chaos"}
+# Suites whose tests must not run side by side, under pytest-xdist's ``--dist loadgroup``:
+# each is an xdist group (named after its folder), run on one xdist worker one test at a
+# time. cluster and failover build network namespaces and servers of their own (named
+# after their process, so the two suites may run at once), pooler a pgbouncer, and the
+# chaos scenarios drive several worker processes flat out for their figures. Every other
+# test is independent: each xdist worker has its own database (``database_url``).
+SERIAL_SUITES = frozenset({"cluster", "failover", "pooler", "chaos"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests = Path(__file__).parent
     for item in items:
         if item.path.is_relative_to(tests):
-            group = SERIAL_GROUPS.get(item.path.relative_to(tests).parts[0])
-            if group is not None:
-                item.add_marker(pytest.mark.xdist_group(group))
+            suite = item.path.relative_to(tests).parts[0]
+            if suite in SERIAL_SUITES:
+                item.add_marker(pytest.mark.xdist_group(suite))
 
 
 @pytest.fixture(scope="session")
