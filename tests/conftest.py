@@ -16,9 +16,10 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import psycopg
 import pytest
@@ -32,6 +33,24 @@ from skiplock.sql import render, wakeup
 
 SCHEMA = "skiplock"
 CHANNEL = f"{SCHEMA}.jobs"
+T = TypeVar("T")
+
+# Suites whose tests must not run side by side, under pytest-xdist's ``--dist loadgroup``:
+# each is an xdist group (named after its folder), run on one xdist worker one test at a
+# time. cluster and failover build network namespaces and servers of their own (named
+# after their process, so the two suites may run at once), pooler a pgbouncer, and the
+# chaos scenarios drive several worker processes flat out for their figures. Every other
+# test is independent: each xdist worker has its own database (``database_url``).
+SERIAL_SUITES = frozenset({"cluster", "failover", "pooler", "chaos"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    for item in items:
+        if item.path.is_relative_to(tests):
+            suite = item.path.relative_to(tests).parts[0]
+            if suite in SERIAL_SUITES:
+                item.add_marker(pytest.mark.xdist_group(suite))
 
 
 @pytest.fixture(scope="session")
@@ -97,16 +116,33 @@ def autocommit(database_url: str) -> Iterator[psycopg.Connection[Any]]:
 
 
 def wait_until(
-    predicate: Callable[[], object], timeout: float = 10.0, what: str = "condition"
-) -> None:
-    """Poll ``predicate`` until it is truthy; fail with ``what`` after ``timeout`` seconds."""
+    predicate: Callable[[], T],
+    timeout: float = 10.0,
+    what: str = "condition",
+    *,
+    interval: float | None = None,
+    check: Callable[[], object] | Sequence[Callable[[], object]] = (),
+) -> T:
+    """Poll ``predicate`` until it returns something truthy, and return that.
+
+    Fails with ``what`` after ``timeout`` seconds, or at once when ``check`` (or one of
+    several) raises: a worker process that died, say. Polls every ``interval`` seconds,
+    or by default every few milliseconds at first and then every 50 ms.
+    """
     deadline = time.monotonic() + timeout
-    pause = 0.005
-    while not predicate():
+    checks = (check,) if callable(check) else tuple(check)
+    pause = interval if interval is not None else 0.005
+    while True:
+        for each in checks:
+            each()
+        value = predicate()
+        if value:
+            return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(pause)
-        pause = min(pause * 2, 0.05)
+        if interval is None:
+            pause = min(pause * 2, 0.05)
 
 
 # -- rows in any state -----------------------------------------------------------------

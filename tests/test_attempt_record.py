@@ -6,12 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg import sql
 from psycopg.rows import dict_row
 
 import skiplock
 from conftest import StartWorker, wait_until
 from skiplock import client
+
+pytestmark = pytest.mark.server_version
 
 # Long enough for the first worker to stop before the retry comes due.
 ONE_SECOND = skiplock.RetryPolicy(base=1.0, cap=1.0, jitter=0.0)

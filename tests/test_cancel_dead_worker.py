@@ -10,6 +10,7 @@ import psycopg
 import pytest
 
 import skiplock
+from conftest import wait_until
 from skiplock import client
 from test_crash import (  # noqa: F401 - fixtures used by name
     LEASED,
@@ -24,7 +25,6 @@ from test_crash import (  # noqa: F401 - fixtures used by name
     live_job,
     release,
     spawn_worker,
-    wait_until,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,7 +37,9 @@ def test_a_cancelled_job_whose_worker_was_killed_ends_cancelled_and_never_runs_a
 ) -> None:
     (job,) = enqueue(app, db, LEASED, hold=True)
     a = spawn_worker(lease=60)
-    wait_until(lambda: executions(db, job), STEP_TIMEOUT, what="the handler to start", alive=[a])
+    wait_until(
+        lambda: executions(db, job), STEP_TIMEOUT, what="the handler to start", check=a.check_alive
+    )
     # The handler ignores the request (a sync handler that never looks at
     # cancel_requested()): the job is still running when its worker dies.
     assert client.cancel_jobs(db, "skiplock", [job]) == 1
@@ -47,7 +49,9 @@ def test_a_cancelled_job_whose_worker_was_killed_ends_cancelled_and_never_runs_a
     a.kill()
     release(db, job, 2)  # were it run again, the second attempt would finish at once
     b = spawn_worker(lease=60)
-    wait_until(lambda: history(db, job), STEP_TIMEOUT, what="the job to finish", alive=[b])
+    wait_until(
+        lambda: history(db, job), STEP_TIMEOUT, what="the job to finish", check=b.check_alive
+    )
 
     assert history(db, job) == [("cancelled", 1, None)]
     assert history_errors(db, job) == [("Cancelled", 1)]
@@ -64,15 +68,19 @@ def test_the_rescue_that_finds_the_worker_dead_ends_its_cancelled_job_at_once(
     worker until the pass for expired leases, half a lease (30 s here) later."""
     b = spawn_worker(lease=60, concurrency=1)  # the leader, its one slot kept busy
     (busy,) = enqueue(app, db, LEASED, hold=True)
-    wait_until(lambda: executions(db, busy), STEP_TIMEOUT, what="the leader's job", alive=[b])
+    wait_until(
+        lambda: executions(db, busy), STEP_TIMEOUT, what="the leader's job", check=b.check_alive
+    )
     (job,) = enqueue(app, db, LEASED, hold=True)
     a = spawn_worker(lease=60, concurrency=1)
-    wait_until(lambda: executions(db, job), STEP_TIMEOUT, what="the handler to start", alive=[a])
+    wait_until(
+        lambda: executions(db, job), STEP_TIMEOUT, what="the handler to start", check=a.check_alive
+    )
     assert client.cancel_jobs(db, "skiplock", [job]) == 1
 
     a.kill()
     release(db, job, 2)
-    wait_until(lambda: history(db, job), STEP_TIMEOUT, what="the job to end", alive=[b])
+    wait_until(lambda: history(db, job), STEP_TIMEOUT, what="the job to end", check=b.check_alive)
 
     assert history(db, job) == [("cancelled", 1, None)]
     assert history_errors(db, job) == [("Cancelled", 1)]

@@ -21,6 +21,8 @@ from psycopg import sql
 from skiplock.completer import fenced_batch
 from skiplock.sql import claim, complete, keys, maintenance, render, wakeup
 
+pytestmark = pytest.mark.server_version
+
 SCHEMA = "skiplock"
 CLAIM_INDEX = "jobs_claim"
 

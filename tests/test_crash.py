@@ -11,14 +11,9 @@ to pass (a lease, a leader's term) it moves the deadline in the database instead
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,6 +21,8 @@ import psycopg
 import pytest
 
 import skiplock
+from conftest import wait_until
+from processes import WorkerProcess, kill_all, registered_worker_id, spawn_worker_process
 from skiplock.completer import fenced_batch
 from skiplock.config import notify_channel
 from skiplock.sql import claim, complete, maintenance, render
@@ -36,7 +33,6 @@ LEASED = "crash.leased"
 LEASED_ASYNC = "crash.leased_async"
 TRANSACTIONAL = "crash.transactional"
 TRANSACTIONAL_ASYNC = "crash.transactional_async"
-ROOT = Path(__file__).resolve().parent.parent
 WORKER_APP = "tests.crash_app:app"
 
 # Bounds for things that take milliseconds when all is well; they only decide how long a
@@ -72,68 +68,6 @@ CREATE TABLE crash_effects (
 # -- waiting and worker processes -------------------------------------------------------
 
 
-@dataclass
-class WorkerProcess:
-    """A ``skiplock worker`` subprocess, its log, and its id once it registered."""
-
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    id: uuid.UUID | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def send(self, signum: int) -> None:
-        self.proc.send_signal(signum)
-
-    def kill(self) -> None:
-        """SIGKILL, and reap it: its sockets are closed once this returns."""
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=STEP_TIMEOUT)
-
-    def stop(self) -> None:
-        """SIGSTOP, returning once the kernel shows the process stopped."""
-        self.proc.send_signal(signal.SIGSTOP)
-        wait_until(self.is_stopped, STEP_TIMEOUT, what=f"worker {self.pid} to stop")
-
-    def is_stopped(self) -> bool:
-        stat = Path(f"/proc/{self.pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] == "T"
-
-    def check_alive(self) -> None:
-        code = self.proc.poll()
-        if code is not None:
-            raise AssertionError(f"worker {self.pid} exited with {code}:\n{self.log()[-4000:]}")
-
-
-def wait_until(
-    predicate: Callable[[], T],
-    timeout: float,
-    interval: float = 0.02,
-    *,
-    what: str = "",
-    alive: Sequence[WorkerProcess] = (),
-) -> T:
-    """Poll ``predicate`` until it returns something truthy, and return that.
-
-    Fails after ``timeout`` seconds, or at once when a worker in ``alive`` has exited.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        for worker in alive:
-            worker.check_alive()
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
-        time.sleep(interval)
-
-
 SpawnWorker = Callable[..., WorkerProcess]
 
 
@@ -164,7 +98,6 @@ def spawn_worker(
     """Start worker processes on the crash queue and wait until each has registered.
     Every one still alive at the end is killed, stopped ones included, pass or fail."""
     started: list[WorkerProcess] = []
-    env = {**os.environ, "SKIPLOCK_DATABASE_URL": database_url}
 
     def spawn(
         *,
@@ -173,36 +106,27 @@ def spawn_worker(
         shutdown_timeout: float = 30.0,
         prefetch: int = 0,
     ) -> WorkerProcess:
-        command = [
-            *(sys.executable, "-m", "skiplock", "--database-url", database_url),
-            *("worker", WORKER_APP, "--queues", QUEUE, "--concurrency", str(concurrency)),
+        log_path = tmp_path / f"worker-{len(started)}.log"
+        worker = spawn_worker_process(
+            database_url,
+            WORKER_APP,
+            *("--queues", QUEUE, "--concurrency", str(concurrency)),
             *("--lease", str(lease), "--shutdown-timeout", str(shutdown_timeout)),
             *("--poll-interval", "0.1", "--prefetch", str(prefetch)),
-        ]
-        log_path = tmp_path / f"worker-{len(started)}.log"
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-            )
-        worker = WorkerProcess(proc, log_path)
+            log_path=log_path,
+            env={"SKIPLOCK_DATABASE_URL": database_url},
+        )
         started.append(worker)
-
-        def registered() -> uuid.UUID | None:
-            row = db.execute(
-                "SELECT id FROM skiplock.workers WHERE pid = %s", (worker.pid,)
-            ).fetchone()
-            return None if row is None else uuid.UUID(str(row[0]))
-
         worker.id = wait_until(
-            registered, STARTUP_TIMEOUT, what=f"worker {worker.pid} to register", alive=[worker]
+            lambda: registered_worker_id(db, worker.pid),
+            STARTUP_TIMEOUT,
+            what=f"worker {worker.pid} to register",
+            check=worker.check_alive,
         )
         return worker
 
     yield spawn
-    for worker in started:
-        if worker.proc.poll() is None:
-            worker.proc.send_signal(signal.SIGKILL)  # stopped ones too: no SIGCONT needed
-        worker.proc.wait(timeout=STEP_TIMEOUT)
+    kill_all(started)
 
 
 # -- reading and steering the jobs ------------------------------------------------------
@@ -321,7 +245,9 @@ def test_killed_transactional_job_is_claimable_at_once_with_attempts_unchanged(
 ) -> None:
     (job,) = enqueue(app, db, task, hold=True)
     a = spawn_worker()
-    wait_until(lambda: executions(db, job), STEP_TIMEOUT, what="the handler to start", alive=[a])
+    wait_until(
+        lambda: executions(db, job), STEP_TIMEOUT, what="the handler to start", check=a.check_alive
+    )
     assert claimable(db, job) == [], "the running job's row lock should hide it"
 
     a.kill()
@@ -339,7 +265,9 @@ def test_killed_transactional_job_is_claimable_at_once_with_attempts_unchanged(
     # The killed attempt never counted, so the re-run is attempt 1 again.
     release(db, job, 1)
     b = spawn_worker()
-    wait_until(lambda: history(db, job), STEP_TIMEOUT, what="the re-run to complete", alive=[b])
+    wait_until(
+        lambda: history(db, job), STEP_TIMEOUT, what="the re-run to complete", check=b.check_alive
+    )
     assert history(db, job) == [("completed", 1, {"pid": b.pid, "attempt": 1})]
     assert effects(db, job) == [b.pid]
     assert executions(db, job) == [(1, a.pid, False), (1, b.pid, True)]
@@ -358,7 +286,10 @@ def test_killed_transactional_batch_rolls_back_every_job_in_it(
     jobs = [first, second, third]
     a = spawn_worker()
     wait_until(
-        lambda: executions(db, second), STEP_TIMEOUT, what="the second job to start", alive=[a]
+        lambda: executions(db, second),
+        STEP_TIMEOUT,
+        what="the second job to start",
+        check=a.check_alive,
     )
     assert executions(db, first) == [(1, a.pid, True)]
     assert [claimable(db, job) for job in jobs] == [[], [], []]
@@ -378,7 +309,10 @@ def test_killed_transactional_batch_rolls_back_every_job_in_it(
     release(db, second, 1)
     b = spawn_worker()
     wait_until(
-        lambda: all_finished(db, jobs), STEP_TIMEOUT, what="every job to complete", alive=[b]
+        lambda: all_finished(db, jobs),
+        STEP_TIMEOUT,
+        what="every job to complete",
+        check=b.check_alive,
     )
     for job in jobs:
         assert history(db, job) == [("completed", 1, {"pid": b.pid, "attempt": 1})]
@@ -397,7 +331,9 @@ def test_killed_leased_job_waits_for_its_lease_then_is_rescued_and_rerun(
     """With no live worker to notice the death, only the lease frees the job."""
     (job,) = enqueue(app, db, LEASED, hold=True)
     a = spawn_worker(lease=2)
-    wait_until(lambda: executions(db, job), STEP_TIMEOUT, what="the handler to start", alive=[a])
+    wait_until(
+        lambda: executions(db, job), STEP_TIMEOUT, what="the handler to start", check=a.check_alive
+    )
     row = live_job(db, job)
     assert row is not None
     assert (row["state"], row["attempts"], row["worker_id"]) == ("running", 1, a.id)
@@ -452,7 +388,9 @@ def test_killed_leased_job_waits_for_its_lease_then_is_rescued_and_rerun(
 
     release(db, job, 2)
     b = spawn_worker(lease=2)
-    wait_until(lambda: history(db, job), STEP_TIMEOUT, what="the re-run to complete", alive=[b])
+    wait_until(
+        lambda: history(db, job), STEP_TIMEOUT, what="the re-run to complete", check=b.check_alive
+    )
     assert history(db, job) == [("completed", 2, {"pid": b.pid, "attempt": 2})]
     assert history_errors(db, job) == [("LeaseExpired", 1)]
     assert executions(db, job) == [(1, a.pid, False), (2, b.pid, True)]
@@ -472,7 +410,7 @@ def test_jobs_in_flight_at_a_crash_run_again_and_none_is_dropped(
         lambda: all_finished(db, quick) and all(executions(db, job) for job in held),
         STEP_TIMEOUT,
         what="the quick jobs to complete and the held ones to start",
-        alive=[a],
+        check=a.check_alive,
     )
 
     a.kill()
@@ -481,7 +419,7 @@ def test_jobs_in_flight_at_a_crash_run_again_and_none_is_dropped(
         lambda: all_finished(db, held + quick),
         STEP_TIMEOUT,
         what="every job to complete",
-        alive=[b],
+        check=b.check_alive,
     )
 
     assert db.execute("SELECT id FROM skiplock.jobs").fetchall() == []
@@ -505,7 +443,9 @@ def test_hung_worker_resumed_after_its_lease_expired_cannot_overwrite_the_rerun(
     (job,) = enqueue(app, db, LEASED, hold=True)
     release(db, job, 2)
     a = spawn_worker(lease=2)
-    wait_until(lambda: executions(db, job), STEP_TIMEOUT, what="the handler to start", alive=[a])
+    wait_until(
+        lambda: executions(db, job), STEP_TIMEOUT, what="the handler to start", check=a.check_alive
+    )
     b = spawn_worker(lease=2)
 
     a.stop()
@@ -514,7 +454,9 @@ def test_hung_worker_resumed_after_its_lease_expired_cannot_overwrite_the_rerun(
         end_leader_term(db, a)  # A was elected first; a hung leader's term runs out
         return history(db, job)
 
-    wait_until(rerun_finished, STEP_TIMEOUT, what="B to rescue and complete the job", alive=[b])
+    wait_until(
+        rerun_finished, STEP_TIMEOUT, what="B to rescue and complete the job", check=b.check_alive
+    )
     final = [("completed", 2, {"pid": b.pid, "attempt": 2})]
     assert history(db, job) == final
     # A hung but alive: its liveness lock still held, it was not taken for dead.
@@ -527,7 +469,7 @@ def test_hung_worker_resumed_after_its_lease_expired_cannot_overwrite_the_rerun(
         lambda: (1, a.pid, True) in executions(db, job),
         STEP_TIMEOUT,
         what="A's handler to finish",
-        alive=[a],
+        check=a.check_alive,
     )
     wait_until(
         lambda: (
@@ -536,7 +478,7 @@ def test_hung_worker_resumed_after_its_lease_expired_cannot_overwrite_the_rerun(
         ),
         STEP_TIMEOUT,
         what="A to give up its stale attempt",
-        alive=[a],
+        check=a.check_alive,
     )
     assert history(db, job) == final
     assert history_errors(db, job) == [("LeaseExpired", 1)]
@@ -553,7 +495,9 @@ def test_completer_refuses_the_outcome_of_an_attempt_that_was_rescued(
     (job,) = enqueue(app, db, LEASED, hold=True)
     release(db, job, 2)
     a = spawn_worker(lease=120)
-    wait_until(lambda: executions(db, job), STEP_TIMEOUT, what="the handler to start", alive=[a])
+    wait_until(
+        lambda: executions(db, job), STEP_TIMEOUT, what="the handler to start", check=a.check_alive
+    )
     b = spawn_worker(lease=120)
 
     a.stop()
@@ -566,7 +510,9 @@ def test_completer_refuses_the_outcome_of_an_attempt_that_was_rescued(
         end_leader_term(db, a)
         return history(db, job)
 
-    wait_until(rerun_finished, STEP_TIMEOUT, what="B to rescue and complete the job", alive=[b])
+    wait_until(
+        rerun_finished, STEP_TIMEOUT, what="B to rescue and complete the job", check=b.check_alive
+    )
     final = [("completed", 2, {"pid": b.pid, "attempt": 2})]
     assert history(db, job) == final
 
@@ -576,7 +522,7 @@ def test_completer_refuses_the_outcome_of_an_attempt_that_was_rescued(
         lambda: f"refused stale outcome for job {job} attempt 1" in a.log(),
         STEP_TIMEOUT,
         what="A's completer to refuse its outcome",
-        alive=[a],
+        check=a.check_alive,
     )
     assert history(db, job) == final
     assert history_errors(db, job) == [("LeaseExpired", 1)]
@@ -676,14 +622,16 @@ def test_sigterm_lets_the_running_job_finish_then_exits_cleanly(
 ) -> None:
     (job,) = enqueue(app, db, task, hold=True)
     a = spawn_worker()
-    wait_until(lambda: executions(db, job), STEP_TIMEOUT, what="the handler to start", alive=[a])
+    wait_until(
+        lambda: executions(db, job), STEP_TIMEOUT, what="the handler to start", check=a.check_alive
+    )
 
     a.send(signal.SIGTERM)
     wait_until(
         lambda: f"worker {a.id} stopping" in a.log(),
         STEP_TIMEOUT,
         what="the worker to begin shutting down",
-        alive=[a],
+        check=a.check_alive,
     )
     assert executions(db, job) == [(1, a.pid, False)], "the job is still in its handler"
 
@@ -715,7 +663,9 @@ def test_shutdown_cut_short_gives_the_attempt_back_and_exits(
     exits, whether a second signal or the shutdown timeout cuts the wait short."""
     (job,) = enqueue(app, db, task, hold=True)
     a = spawn_worker(shutdown_timeout=0.5 if how == "shutdown timeout" else 30.0)
-    wait_until(lambda: executions(db, job), STEP_TIMEOUT, what="the handler to start", alive=[a])
+    wait_until(
+        lambda: executions(db, job), STEP_TIMEOUT, what="the handler to start", check=a.check_alive
+    )
 
     a.send(signal.SIGTERM)
     if how == "second SIGTERM":
@@ -723,7 +673,7 @@ def test_shutdown_cut_short_gives_the_attempt_back_and_exits(
             lambda: f"worker {a.id} stopping" in a.log(),
             STEP_TIMEOUT,
             what="the worker to begin shutting down",
-            alive=[a],
+            check=a.check_alive,
         )
         a.send(signal.SIGTERM)
     wait_stopped(a)
@@ -759,7 +709,7 @@ def test_prefetched_jobs_of_a_killed_worker_are_rescued_at_once(
         ),
         STEP_TIMEOUT,
         what="one job to run and two to wait prefetched",
-        alive=[a],
+        check=a.check_alive,
     )
     started = [job for job in jobs if executions(db, job)]
 
@@ -767,7 +717,9 @@ def test_prefetched_jobs_of_a_killed_worker_are_rescued_at_once(
     for job in jobs:
         release(db, job, 1)  # the attempt the jobs that never started run as
     b = spawn_worker(lease=60, concurrency=4)
-    wait_until(lambda: all_finished(db, jobs), STEP_TIMEOUT, what="every job to run", alive=[b])
+    wait_until(
+        lambda: all_finished(db, jobs), STEP_TIMEOUT, what="every job to run", check=b.check_alive
+    )
 
     for job in jobs:
         assert history_errors(db, job) == [("WorkerLost", 1)]
@@ -792,7 +744,7 @@ def test_sigterm_gives_prefetched_jobs_back_without_running_them(
         ),
         STEP_TIMEOUT,
         what="one job to run and two to wait prefetched",
-        alive=[a],
+        check=a.check_alive,
     )
 
     a.send(signal.SIGTERM)

@@ -16,6 +16,8 @@ from psycopg.pq import TransactionStatus
 import skiplock
 from conftest import Listener
 
+pytestmark = pytest.mark.server_version
+
 
 def test_rolled_back_enqueue_leaves_no_job(app: skiplock.App, database_url: str) -> None:
     @app.task(name="send_receipt")

@@ -19,6 +19,8 @@ from skiplock.client import COPY_CHUNK_ROWS
 from skiplock.errors import EnqueueError
 from skiplock.tasks import _encode_args_walked, encode_args
 
+pytestmark = pytest.mark.server_version
+
 # -- the fast argument check agrees with the full walk ----------------------------------
 
 awkward_text = st.text() | st.sampled_from(

@@ -37,7 +37,7 @@ from skiplock.grants import Use
 from skiplock.sql import maintenance, render
 from skiplock.tasks import JobSpec
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.server_version, pytest.mark.timeout(120)]
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from roles import Roles, login_roles
 from skiplock import cli, client, grants, history
 from skiplock.grants import Use
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.server_version, pytest.mark.timeout(120)]
 
 
 @pytest.fixture

@@ -13,10 +13,7 @@ handlers record each start in ``crash_executions`` and hold until the test relea
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -30,24 +27,24 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import skiplock
-from conftest import StartWorker
+from conftest import StartWorker, wait_until
+from processes import WorkerProcess, kill_all, registered_worker_id, spawn_worker_process
 from skiplock.sql import maintenance, render
 from test_crash import (
     CRASH_TABLES,
     LEASED,
     QUEUE,
-    ROOT,
     STARTUP_TIMEOUT,
     STEP_TIMEOUT,
     WORKER_APP,
-    WorkerProcess,
     enqueue,
     executions,
     history,
     history_errors,
     release,
-    wait_until,
 )
+
+pytestmark = pytest.mark.server_version
 
 SCHEMA = "skiplock"
 # A queue with no jobs: the leader that serves it only elects itself and rescues.
@@ -92,37 +89,27 @@ def spawn(database_url: str, db: psycopg.Connection[Any], tmp_path: Path) -> Ite
     def start(
         *, queues: str = QUEUE, concurrency: int = 4, env: dict[str, str] | None = None
     ) -> WorkerProcess:
-        command = [
-            *(sys.executable, "-m", "skiplock", "--database-url", database_url),
-            *("worker", WORKER_APP, "--queues", queues, "--concurrency", str(concurrency)),
+        worker = spawn_worker_process(
+            database_url,
+            WORKER_APP,
+            *("--queues", queues, "--concurrency", str(concurrency)),
             *("--lease", "30", "--poll-interval", "0.1"),
-        ]
-        log_path = tmp_path / f"worker-{len(started)}.log"
-        environment = {**os.environ, "SKIPLOCK_DATABASE_URL": database_url, **(env or {})}
-        environment.pop("PGAPPNAME", None)  # the worker names its sessions itself
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                command, cwd=ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT
-            )
-        worker = WorkerProcess(proc, log_path)
+            log_path=tmp_path / f"worker-{len(started)}.log",
+            # the worker names its sessions itself
+            env={"SKIPLOCK_DATABASE_URL": database_url, "PGAPPNAME": None, **(env or {})},
+        )
         started.append(worker)
 
-        def registered() -> uuid.UUID | None:
-            row = db.execute(
-                "SELECT id FROM skiplock.workers WHERE pid = %s", (worker.pid,)
-            ).fetchone()
-            return None if row is None else uuid.UUID(str(row[0]))
-
         worker.id = wait_until(
-            registered, STARTUP_TIMEOUT, what=f"worker {worker.pid} to register", alive=[worker]
+            lambda: registered_worker_id(db, worker.pid),
+            STARTUP_TIMEOUT,
+            what=f"worker {worker.pid} to register",
+            check=worker.check_alive,
         )
         return worker
 
     yield start
-    for worker in started:
-        if worker.proc.poll() is None:
-            worker.proc.send_signal(signal.SIGKILL)
-        worker.proc.wait(timeout=STEP_TIMEOUT)
+    kill_all(started)
 
 
 def leader(db: psycopg.Connection[Any]) -> uuid.UUID | None:
@@ -134,7 +121,7 @@ def spawn_leader(db: psycopg.Connection[Any], spawn: Spawn) -> WorkerProcess:
     """A worker that leads (so rescues every second) and runs none of the test's jobs."""
     db.execute("DELETE FROM skiplock.leader")
     b = spawn(queues=LEADER_QUEUE)
-    wait_until(lambda: leader(db) == b.id, STEP_TIMEOUT, what="B to lead", alive=[b])
+    wait_until(lambda: leader(db) == b.id, STEP_TIMEOUT, what="B to lead", check=b.check_alive)
     return b
 
 
@@ -175,7 +162,7 @@ class ListenerCuts:
             lambda: (pid := self.current()) is not None and pid != than and pid,
             STEP_TIMEOUT,
             what="the listener to connect again",
-            alive=[self.worker],
+            check=self.worker.check_alive,
         )
 
     def wait_idle_cut(self) -> None:
@@ -221,7 +208,7 @@ def test_a_listener_cut_again_and_again_never_makes_a_running_job_run_twice(
         lambda: all(executions(db, job) for job in jobs),
         STEP_TIMEOUT,
         what="every job to start on A",
-        alive=[a, b],
+        check=(a.check_alive, b.check_alive),
     )
 
     cuts = ListenerCuts(db, a)
@@ -238,7 +225,7 @@ def test_a_listener_cut_again_and_again_never_makes_a_running_job_run_twice(
         lambda: all(history(db, job) for job in jobs),
         STEP_TIMEOUT,
         what="every job to complete",
-        alive=[a, b],
+        check=(a.check_alive, b.check_alive),
     )
     # (attempt, pid, finished) of every start, for each job that started more than once.
     assert started_twice(db, jobs) == {}, [history_errors(db, job) for job in jobs]
@@ -259,13 +246,20 @@ def test_a_worker_cut_off_from_every_session_is_rescued_and_cannot_complete_late
     a = spawn()
     (job,) = enqueue(app, db, LEASED, hold=True)
     release(db, job, 2)
-    wait_until(lambda: executions(db, job), STEP_TIMEOUT, what="the job to start", alive=[a])
+    wait_until(
+        lambda: executions(db, job), STEP_TIMEOUT, what="the job to start", check=a.check_alive
+    )
 
     a.stop()  # stopped, it cannot reconnect
     for pid in session_pids(db, a):
         db.execute("SELECT pg_terminate_backend(%s)", (pid,))
     c = spawn()
-    wait_until(lambda: history(db, job), STEP_TIMEOUT, what="the job to run again", alive=[b, c])
+    wait_until(
+        lambda: history(db, job),
+        STEP_TIMEOUT,
+        what="the job to run again",
+        check=(b.check_alive, c.check_alive),
+    )
     final = [("completed", 2, {"pid": c.pid, "attempt": 2})]
     assert history(db, job) == final
     assert history_errors(db, job) == [("WorkerLost", 1)]
@@ -276,7 +270,7 @@ def test_a_worker_cut_off_from_every_session_is_rescued_and_cannot_complete_late
         lambda: (1, a.pid, True) in executions(db, job),
         STEP_TIMEOUT,
         what="A's handler to finish",
-        alive=[a],
+        check=a.check_alive,
     )
     wait_until(
         lambda: (
@@ -285,7 +279,7 @@ def test_a_worker_cut_off_from_every_session_is_rescued_and_cannot_complete_late
         ),
         STEP_TIMEOUT,
         what="A to give up its stale attempt",
-        alive=[a],
+        check=a.check_alive,
     )
     assert history(db, job) == final
 

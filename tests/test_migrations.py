@@ -22,6 +22,8 @@ from skiplock import cli, client, grants
 from skiplock import migrate as skiplock_migrate
 from skiplock.migrate import Migration, available_migrations, head_version
 
+pytestmark = pytest.mark.server_version
+
 VERSIONS = [m.version for m in available_migrations()]
 OLD_VERSIONS = VERSIONS[:-1]
 

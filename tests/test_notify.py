@@ -8,11 +8,14 @@ import threading
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg.types.json import Jsonb
 
 import skiplock
 from conftest import CHANNEL, JobFactory, Listener, StartWorker, wait_until
 from skiplock import client
+
+pytestmark = pytest.mark.server_version
 
 
 def test_the_insert_trigger_fires_once_per_statement_after_insert(

@@ -19,6 +19,8 @@ from skiplock.config import done_channel
 from skiplock.outcomes import Completed, Snoozed
 from skiplock.sql import complete, render
 
+pytestmark = pytest.mark.server_version
+
 ALONE: dict[str, tuple[str, dict[str, Any]]] = {
     "completed": (complete.JOB_COMPLETE_MANY_ALONE, {"result": '"done"'}),
     "failed": (

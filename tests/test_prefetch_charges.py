@@ -27,7 +27,7 @@ from psycopg.types.json import Jsonb
 
 import skiplock
 import test_crash
-from conftest import JobFactory, StartWorker
+from conftest import JobFactory, StartWorker, wait_until
 from conftest import wait_until as wait_for
 from skiplock import cli, client
 from test_crash import (
@@ -40,7 +40,6 @@ from test_crash import (
     history,
     leased_by,
     release,
-    wait_until,
 )
 from test_worker import state_of
 
@@ -78,7 +77,7 @@ def test_prefetched_jobs_that_never_started_are_not_charged_when_their_worker_di
         ),
         STEP_TIMEOUT,
         what="one job to run and two to wait prefetched",
-        alive=[a],
+        check=a.check_alive,
     )
     started = next(job for job in jobs if executions(db, job))
     waited = [job for job in jobs if job != started]
@@ -89,7 +88,9 @@ def test_prefetched_jobs_that_never_started_are_not_charged_when_their_worker_di
         release(db, job, 1)
         release(db, job, 2)
     b = spawn_worker(lease=60, concurrency=4)
-    wait_until(lambda: all_finished(db, jobs), STEP_TIMEOUT, what="every job to run", alive=[b])
+    wait_until(
+        lambda: all_finished(db, jobs), STEP_TIMEOUT, what="every job to run", check=b.check_alive
+    )
 
     # The started job used up its first attempt; the two that waited run as attempt 1.
     assert attempts_in_history(db, [started]) == [2]
@@ -108,7 +109,7 @@ def test_a_prefetched_job_that_started_is_charged_when_its_worker_dies(
         lambda: leased_by(db, [first, second]) == [str(a.id)] * 2 and executions(db, first),
         STEP_TIMEOUT,
         what="the first job to run and the second to wait prefetched",
-        alive=[a],
+        check=a.check_alive,
     )
     release(db, first, 1)
     wait_until(lambda: executions(db, second), STEP_TIMEOUT, what="the second job to start")
@@ -117,7 +118,9 @@ def test_a_prefetched_job_that_started_is_charged_when_its_worker_dies(
     a.kill()
     release(db, second, 2)
     b = spawn_worker(lease=60, concurrency=4)
-    wait_until(lambda: all_finished(db, [second]), STEP_TIMEOUT, what="the job to run", alive=[b])
+    wait_until(
+        lambda: all_finished(db, [second]), STEP_TIMEOUT, what="the job to run", check=b.check_alive
+    )
 
     assert attempts_in_history(db, [second]) == [2]
 

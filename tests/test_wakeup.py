@@ -23,6 +23,8 @@ from skiplock.cursor import ClaimCursor, LateReads
 from skiplock.sql import render, wakeup
 from skiplock.worker.wakeup import LateCommits, WakeupSession
 
+pytestmark = pytest.mark.server_version
+
 SCHEMA = "skiplock"
 SLOW_POLL = {"poll_interval": 30.0, "sweep_interval": 60.0}
 

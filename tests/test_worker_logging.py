@@ -9,10 +9,7 @@ off otherwise. Through a real worker: in process with caplog, and as the CLI's p
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +19,12 @@ import pytest
 import skiplock
 import test_crash
 from conftest import StartWorker, wait_until
+from processes import WorkerProcess, kill_all, spawn_worker_process
 from skiplock.retry import RetryPolicy
 from test_crash import LEASED, QUEUE, WORKER_APP, all_finished, enqueue
 from test_worker import state_of
 
 NO_BACK_OFF = RetryPolicy(base=0.0, cap=0.0, jitter=0.0)
-ROOT = Path(__file__).resolve().parent.parent
 TRACEBACK = "Traceback (most recent call last)"
 
 # The crash tests' fixtures: their app's tables (tests/crash_app.py).
@@ -143,24 +140,23 @@ def test_claims_and_completions_are_info_and_off_by_default(
 
 def run_worker(
     database_url: str, log_path: Path, options: list[str], worker_options: list[str]
-) -> subprocess.Popen[bytes]:
-    command = [
-        *(sys.executable, "-m", "skiplock", "--database-url", database_url, *options),
-        *("worker", WORKER_APP, "--queues", QUEUE, "--poll-interval", "0.1", *worker_options),
-    ]
-    env = {**os.environ, "SKIPLOCK_DATABASE_URL": database_url}
-    with log_path.open("wb") as log:
-        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+) -> WorkerProcess:
+    return spawn_worker_process(
+        database_url,
+        WORKER_APP,
+        *("--queues", QUEUE, "--poll-interval", "0.1", *worker_options),
+        options=options,
+        log_path=log_path,
+        env={"SKIPLOCK_DATABASE_URL": database_url},
+    )
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGTERM)
+def stop(worker: WorkerProcess) -> None:
+    worker.send(signal.SIGTERM)
     try:
-        proc.wait(timeout=20.0)
+        worker.proc.wait(timeout=20.0)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_all([worker])
 
 
 @pytest.mark.parametrize(

@@ -17,9 +17,7 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +30,8 @@ import pytest
 from psycopg import sql
 
 import skiplock
+from conftest import wait_until
+from processes import WorkerProcess, spawn_worker_process
 
 from .chaos_app import EXECUTIONS_TABLE
 
@@ -219,38 +219,6 @@ class Event:
 
 
 @dataclass
-class WorkerProcess:
-    """A ``skiplock worker`` subprocess, the name its connections carry, and its log."""
-
-    proc: subprocess.Popen[bytes]
-    appname: str
-    log_path: Path
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def exit_code(self, timeout: float) -> int:
-        """Its exit status; if it has not exited within ``timeout`` seconds, it is made to
-        print every thread's stack to its log (SIGABRT) and the test fails with that."""
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.send_signal(signal.SIGABRT)
-            self.proc.wait(timeout=EXIT_TIMEOUT)
-            raise AssertionError(
-                f"worker {self.pid} did not exit within {timeout}s:\n{self.log()[-6000:]}"
-            ) from None
-
-
-@dataclass
 class Fleet:
     """The worker processes of one test, and what was done to them."""
 
@@ -274,44 +242,23 @@ class Fleet:
     ) -> WorkerProcess:
         """Start a worker; it is not waited for (see ``wait_registered``). ``extra_env`` is
         added to its environment; a None value removes a variable (``PGAPPNAME``, say)."""
-        command = [
-            sys.executable,
-            "-m",
-            "skiplock",
-            "--database-url",
-            self.url,
-            "--schema",
-            SCHEMA,
-            "worker",
-            WORKER_APP,
-            "--queues",
-            queues,
-            "--concurrency",
-            str(concurrency),
-            "--lease",
-            str(lease),
-            "--poll-interval",
-            str(poll_interval),
-            "--shutdown-timeout",
-            str(shutdown_timeout),
+        flags = [
+            *("--queues", queues, "--concurrency", str(concurrency)),
+            *("--lease", str(lease), "--poll-interval", str(poll_interval)),
+            *("--shutdown-timeout", str(shutdown_timeout)),
         ]
         if not liveness_lock:
-            command.append("--no-liveness-lock")
+            flags.append("--no-liveness-lock")
         appname = f"skiplock-chaos-{len(self.workers)}"
-        log_path = self.logs / f"{appname}.log"
-        # PYTHONFAULTHANDLER: a worker that hangs can be made to print every thread's
-        # stack (SIGABRT, see ``exit_code``).
-        env = {**os.environ, "PGAPPNAME": appname, "PYTHONFAULTHANDLER": "1"}
-        for name, value in (extra_env or {}).items():
-            if value is None:
-                env.pop(name, None)
-            else:
-                env[name] = value
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-            )
-        worker = WorkerProcess(proc, appname, log_path)
+        worker = spawn_worker_process(
+            self.url,
+            WORKER_APP,
+            *flags,
+            schema=SCHEMA,
+            appname=appname,
+            env=extra_env,
+            log_path=self.logs / f"{appname}.log",
+        )
         self.workers.append(worker)
         self.record("start", worker.pid)
         return worker
@@ -409,30 +356,6 @@ def fleet(chaos_db: ChaosDatabase, fleet_factory: Callable[[str], Fleet]) -> Fle
 
 
 # -- waiting ------------------------------------------------------------------------------
-
-
-def wait_until(
-    predicate: Callable[[], T],
-    timeout: float,
-    interval: float = 0.02,
-    *,
-    what: str = "",
-    check: Callable[[], None] | None = None,
-) -> T:
-    """Poll ``predicate`` until it returns something truthy, and return that.
-
-    Fails after ``timeout`` seconds, or at once when ``check`` raises (a worker died).
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        if check is not None:
-            check()
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
-        time.sleep(interval)
 
 
 # -- figures --------------------------------------------------------------------------------

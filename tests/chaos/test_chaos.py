@@ -37,7 +37,8 @@ import psycopg
 import pytest
 
 import skiplock
-from conftest import WorkerThread
+from conftest import WorkerThread, wait_until
+from processes import WorkerProcess
 
 from .chaos_app import (
     ASYNC_TASK,
@@ -58,11 +59,9 @@ from .conftest import (
     Event,
     Fleet,
     PrivateServer,
-    WorkerProcess,
     record_figures,
     size_timeout,
     utcnow,
-    wait_until,
 )
 
 pytestmark = pytest.mark.chaos
@@ -429,7 +428,7 @@ def test_sigkill_every_second_loses_nothing_and_reruns_only_what_the_dead_held(
     wait_until(
         lambda: registered_pids(chaos_db) <= {w.pid for w in fleet.alive()},
         30,
-        POLL,
+        interval=POLL,
         what="the dead workers' registrations to go",
     )
     figures = scenario_figures("sigkill", verdict, fleet, seed)
@@ -560,7 +559,7 @@ def test_a_server_restart_mid_drain_is_ridden_out(
     wait_until(
         lambda: db.scalar(f"SELECT count(*) FROM {SCHEMA}.job_history") >= JOBS // 3,
         DRAIN_DEADLINE,
-        POLL,
+        interval=POLL,
         what="a third of the jobs to complete",
         check=fleet.check,
     )
@@ -590,11 +589,13 @@ def test_a_server_restart_mid_drain_is_ridden_out(
     for worker in fleet.workers:
         assert "listener connection lost" in worker.log(), worker.log()[-3000:]
     # Each worker registered again and holds its liveness lock on a new LISTEN connection.
-    wait_until(lambda: fleet.registered(db.conn) == pids, 30, POLL, what="re-registration")
+    wait_until(lambda: fleet.registered(db.conn) == pids, 30, interval=POLL, what="re-registration")
     appnames = {w.appname for w in fleet.workers}
-    wait_until(lambda: liveness_holders(db) == appnames, 30, POLL, what="liveness locks")
+    wait_until(lambda: liveness_holders(db) == appnames, 30, interval=POLL, what="liveness locks")
     probe = enqueue(db, [work_async.job(ms=1) for _ in range(WORKERS)])
-    wait_until(lambda: completed(db, probe), 10, POLL, what="a notified probe", check=fleet.check)
+    wait_until(
+        lambda: completed(db, probe), 10, interval=POLL, what="a notified probe", check=fleet.check
+    )
 
     # finished_at is its transaction's start, so this one began after the server was back.
     first_completion = db.scalar(
@@ -696,7 +697,11 @@ def test_a_worker_stopped_past_its_lease_cannot_complete_what_it_lost(
     ids = enqueue(chaos_db, make_jobs(JOBS, rng))
 
     busy = wait_until(
-        lambda: running_sync_pids(chaos_db), 30, POLL, what="sync work in flight", check=fleet.check
+        lambda: running_sync_pids(chaos_db),
+        30,
+        interval=POLL,
+        what="sync work in flight",
+        check=fleet.check,
     )
     victim = fleet.by_pid(rng.choice(busy))
     pause_outside_transactions(chaos_db, fleet, victim, rng)
@@ -704,7 +709,7 @@ def test_a_worker_stopped_past_its_lease_cannot_complete_what_it_lost(
         wait_until(
             lambda: not held_by(chaos_db, victim.pid),
             60,
-            POLL,
+            interval=POLL,
             what="the stopped worker's jobs to be rescued and run elsewhere",
             check=fleet.check,
         )
@@ -735,7 +740,9 @@ def test_a_worker_stopped_past_its_lease_cannot_complete_what_it_lost(
         ]
 
     try:
-        wait_until(lambda: not unanswered(), 30, POLL, what="the stale attempts to be refused")
+        wait_until(
+            lambda: not unanswered(), 30, interval=POLL, what="the stale attempts to be refused"
+        )
     except AssertionError as exc:
         raise AssertionError(f"{exc}: {unanswered()}\n{victim.log()[-3000:]}") from None
     assert victim.alive
@@ -861,7 +868,7 @@ def test_one_locked_expired_job_does_not_stop_every_rescue(
             wait_until(
                 lambda: completed(chaos_db, [other]),
                 10,
-                POLL,
+                interval=POLL,
                 what="the unlocked expired job to be rescued and run",
                 check=fleet.check,
             )

@@ -25,12 +25,13 @@ from psycopg.pq import TransactionStatus
 from psycopg.types.json import Jsonb
 
 import skiplock
+from conftest import wait_until
 from skiplock.tasks import MAX_ARGS_BYTES
 
 from .chaos_app import HOSTILE_QUEUE, app, echo, strict
-from .conftest import SCHEMA, ChaosDatabase, Fleet, wait_until
+from .conftest import SCHEMA, ChaosDatabase, Fleet
 
-pytestmark = pytest.mark.chaos
+pytestmark = [pytest.mark.server_version, pytest.mark.chaos]
 
 SETTINGS = settings(
     max_examples=150,
@@ -402,7 +403,7 @@ def test_broken_rows_fail_with_their_error_while_the_worker_goes_on(
     wait_until(
         lambda: len(finished(conn, ids)) == len(ids),
         STEP_TIMEOUT,
-        POLL,
+        interval=POLL,
         what="every hostile job to finish",
         check=fleet.check,
     )
@@ -422,7 +423,7 @@ def test_broken_rows_fail_with_their_error_while_the_worker_goes_on(
     wait_until(
         lambda: len(finished(conn, later)) == 5,
         STEP_TIMEOUT,
-        POLL,
+        interval=POLL,
         what="later jobs",
         check=fleet.check,
     )
@@ -460,7 +461,7 @@ def test_rows_the_worker_cannot_decode_fail_alone_and_the_worker_goes_on(
     wait_until(
         lambda: len(finished(conn, ids)) == len(ids),
         STEP_TIMEOUT,
-        POLL,
+        interval=POLL,
         what="the good jobs to complete and the undecodable ones to fail",
         check=fleet.check,
     )

@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from processes import WorkerProcess
+
 from .chaos_app import work_async, work_sync
 from .conftest import (
     DEFAULT_JOBS,
@@ -28,7 +30,6 @@ from .conftest import (
     SCHEMA,
     ChaosDatabase,
     Fleet,
-    WorkerProcess,
     record_figures,
 )
 from .test_chaos import drain, enqueue, judge, scenario_figures

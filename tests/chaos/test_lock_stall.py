@@ -27,6 +27,9 @@ from typing import Any
 import psycopg
 import pytest
 
+from conftest import wait_until
+from processes import WorkerProcess
+
 from .chaos_app import ASYNC_TASK, QUEUE, work_async, work_sync
 from .conftest import (
     DEFAULT_JOBS,
@@ -34,9 +37,7 @@ from .conftest import (
     SCHEMA,
     ChaosDatabase,
     Fleet,
-    WorkerProcess,
     record_figures,
-    wait_until,
 )
 from .test_chaos import completed, enqueue, judge
 
@@ -121,11 +122,11 @@ def test_a_lock_stall_delays_one_pass_never_heartbeats_nor_rescue(
     wait_until(
         lambda: sorted(running_by(chaos_db).values()) == [PER_WORKER] * WORKERS,
         30,
-        POLL,
+        interval=POLL,
         what="every worker to run its share of the long jobs",
         check=fleet.check,
     )
-    leader = wait_until(lambda: leader_pid(chaos_db), 30, POLL, what="a leader")
+    leader = wait_until(lambda: leader_pid(chaos_db), 30, interval=POLL, what="a leader")
     victim: WorkerProcess = next(w for w in fleet.workers if w.pid != leader)
     live = [worker_id for pid, worker_id in pids.items() if pid != victim.pid]
 
@@ -175,7 +176,7 @@ def test_a_lock_stall_delays_one_pass_never_heartbeats_nor_rescue(
     wait_until(
         lambda: completed(chaos_db, everything),
         long_ms / 1000 * 2 + 60,
-        POLL,
+        interval=POLL,
         what="every job to complete",
         check=fleet.check,
     )

@@ -28,10 +28,10 @@ import psycopg
 import pytest
 
 import skiplock
-from conftest import WorkerThread
+from conftest import WorkerThread, wait_until
 from skiplock.retry import RetryPolicy
 
-from .conftest import JOBS, SCHEMA, ChaosDatabase, record_figures, size_timeout, wait_until
+from .conftest import JOBS, SCHEMA, ChaosDatabase, record_figures, size_timeout
 
 pytestmark = pytest.mark.chaos
 
@@ -175,7 +175,7 @@ def test_poison_fails_alone_and_every_good_job_runs_once(chaos_db: ChaosDatabase
             left = chaos_db.scalar(f"SELECT count(*) FROM {SCHEMA}.jobs WHERE state <> 'dead'")
             return int(left) == 0
 
-        wait_until(drained, DRAIN_DEADLINE, 0.1, what="the queue to drain")
+        wait_until(drained, DRAIN_DEADLINE, interval=0.1, what="the queue to drain")
         seconds = time.monotonic() - started
     finally:
         for worker in workers:

@@ -8,14 +8,12 @@ TCP, across the bridge.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from chaos.conftest import ROOT, SCHEMA, Fleet, WorkerProcess
+from chaos.conftest import SCHEMA, Fleet
+from processes import WorkerProcess, spawn_worker_process
 from skiplock.bench.topology import Topology, worker_hosts
 
 HOSTS = tuple(worker_hosts(3))
@@ -44,42 +42,19 @@ class HostFleet(Fleet):
     ) -> WorkerProcess:
         """Start ``skiplock worker`` in ``host``'s namespace (``ip netns exec`` execs, so
         the process's pid is the worker's); it is not waited for."""
-        command = self.cluster.network.run_in(
-            host,
-            [
-                sys.executable,
-                "-m",
-                "skiplock",
-                "--database-url",
-                self.url,
-                "--schema",
-                SCHEMA,
-                "worker",
-                WORKER_APP,
-                "--queues",
-                queues,
-                "--concurrency",
-                str(concurrency),
-                "--lease",
-                str(lease),
-                "--poll-interval",
-                str(poll_interval),
-                "--shutdown-timeout",
-                str(shutdown_timeout),
-                "--tcp-user-timeout",
-                str(tcp_user_timeout),
-                "--prefetch",
-                prefetch,
-            ],
-        )
         appname = f"skiplock-{host}-{len(self.workers)}"
-        log_path = self.logs / f"{appname}.log"
-        env = {**os.environ, "PGAPPNAME": appname, "PYTHONFAULTHANDLER": "1"}
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-            )
-        worker = WorkerProcess(proc, appname, log_path)
+        worker = spawn_worker_process(
+            self.url,
+            WORKER_APP,
+            *("--queues", queues, "--concurrency", str(concurrency)),
+            *("--lease", str(lease), "--poll-interval", str(poll_interval)),
+            *("--shutdown-timeout", str(shutdown_timeout)),
+            *("--tcp-user-timeout", str(tcp_user_timeout), "--prefetch", prefetch),
+            schema=SCHEMA,
+            appname=appname,
+            log_path=self.logs / f"{appname}.log",
+            wrap=lambda command: self.cluster.network.run_in(host, command),
+        )
         self.workers.append(worker)
         self.host_of[worker.pid] = host
         self.record("start", worker.pid, host)

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from chaos.conftest import SCHEMA, ChaosDatabase, wait_until
+from chaos.conftest import SCHEMA, ChaosDatabase
 from chaos.test_chaos import (
     DOOMED_EVERY,
     Execution,
@@ -38,6 +38,7 @@ from chaos.test_chaos import (
     percentile,
     running_sync_pids,
 )
+from conftest import wait_until
 from skiplock.bench.topology import run
 
 from .conftest import JOBS, OUTAGE, record_figures
@@ -107,7 +108,9 @@ def busy_leader_host(db: ChaosDatabase, fleet: HostFleet) -> str:
         mine = {w.pid for w in fleet.on_host(host)}
         return host if mine & set(running_sync_pids(db)) else None
 
-    host = wait_until(ready, 60, POLL, what="a leader with work in flight", check=fleet.check)
+    host = wait_until(
+        ready, 60, interval=POLL, what="a leader with work in flight", check=fleet.check
+    )
     assert host is not None
     return host
 
@@ -211,7 +214,7 @@ def test_a_host_cut_off_mid_drain_is_rescued_and_its_late_outcomes_refused(
         wait_until(
             lambda: sessions_from(db, address) == 0,
             RESCUE_PATIENCE,
-            POLL,
+            interval=POLL,
             what=f"the server to drop {victim}'s sessions",
             check=hosts.check,
         )
@@ -220,7 +223,7 @@ def test_a_host_cut_off_mid_drain_is_rescued_and_its_late_outcomes_refused(
             wait_until(
                 lambda: held(db, mine) == 0,
                 RESCUE_PATIENCE,
-                POLL,
+                interval=POLL,
                 what=f"{victim}'s jobs to be rescued",
                 check=hosts.check,
             )
@@ -244,14 +247,16 @@ def test_a_host_cut_off_mid_drain_is_rescued_and_its_late_outcomes_refused(
     # gone: each outcome is refused by the fence or dropped with the lost lease.
     late = [e for e in stale if e.finished is not None]
     try:
-        wait_until(lambda: not refused(hosts, late), 60, POLL, what="the late outcomes refused")
+        wait_until(
+            lambda: not refused(hosts, late), 60, interval=POLL, what="the late outcomes refused"
+        )
     except AssertionError as exc:
         raise AssertionError(f"{exc}: {refused(hosts, late)}") from None
     # The host's workers outlived the outage and serve again.
     wait_until(
         lambda: pids <= hosts.registered(db.conn),
         60,
-        POLL,
+        interval=POLL,
         what=f"{victim}'s workers to register again",
         check=hosts.check,
     )
@@ -294,7 +299,7 @@ def test_a_frozen_host_is_rescued_and_its_late_outcomes_refused_after_the_thaw(
         wait_until(
             lambda: held(db, mine) == 0,
             RESCUE_PATIENCE,
-            POLL,
+            interval=POLL,
             what=f"{victim}'s jobs to be rescued",
             check=hosts.check,
         )
@@ -316,7 +321,9 @@ def test_a_frozen_host_is_rescued_and_its_late_outcomes_refused_after_the_thaw(
     late = [e for e in stale if e.finished is not None and e.finished > thawed_at]
     assert late, f"no handler on {victim} finished after the thaw"
     try:
-        wait_until(lambda: not refused(hosts, late), 60, POLL, what="the late outcomes refused")
+        wait_until(
+            lambda: not refused(hosts, late), 60, interval=POLL, what="the late outcomes refused"
+        )
     except AssertionError as exc:
         raise AssertionError(f"{exc}: {refused(hosts, late)}") from None
     assert all(w.alive for w in frozen)
@@ -373,7 +380,10 @@ def test_the_workers_own_sessions_probe_a_silent_peer_within_the_timeout(
     worker = hosts.start_on("h1", concurrency=2, tcp_user_timeout=timeout)
     hosts.wait_registered(cluster_db.conn, [worker])
     timers = wait_until(
-        lambda: keepalive_timers(hosts, cluster_db, "h1"), 30, POLL, what="the worker's sockets"
+        lambda: keepalive_timers(hosts, cluster_db, "h1"),
+        30,
+        interval=POLL,
+        what="the worker's sockets",
     )
     assert len(timers) >= 2, timers  # at least the listener and the heartbeat
     in_minutes = {port for port, left in timers.items() if left.endswith("min")}

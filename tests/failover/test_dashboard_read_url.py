@@ -17,8 +17,8 @@ import psycopg
 import pytest
 from starlette.testclient import TestClient
 
-from chaos.conftest import SCHEMA, wait_until
-from conftest import JobFactory
+from chaos.conftest import SCHEMA
+from conftest import JobFactory, wait_until
 from skiplock import client
 from skiplock.bench.topology import Topology
 from skiplock.cli import main
@@ -72,7 +72,7 @@ def test_the_dashboard_reads_the_standby_says_its_lag_and_acts_on_the_primary(
     primary, standby = cluster.primary.local_url(), cluster.standby.local_url()
     make_job = JobFactory(primary, SCHEMA)
     dead = make_job(queue="emails", task="shop.charge", state="dead", attempts=3)
-    wait_until(lambda: on_standby(standby, dead), 30, 0.05, what="the standby to replay")
+    wait_until(lambda: on_standby(standby, dead), 30, interval=0.05, what="the standby to replay")
 
     web = TestClient(
         create_app(primary, SCHEMA, read_url=standby, refresh_seconds=0.3),
@@ -83,7 +83,10 @@ def test_the_dashboard_reads_the_standby_says_its_lag_and_acts_on_the_primary(
         # WAL the idle primary writes by itself may be in flight for a moment).
         for path in ("/", "/jobs", f"/jobs/{dead}", "/cron"):
             wait_until(
-                partial(says_no_lag, web, path), 30, 0.1, what=f"{path} to say it is not behind"
+                partial(says_no_lag, web, path),
+                30,
+                interval=0.1,
+                what=f"{path} to say it is not behind",
             )
         assert re.search(r'data-count="dead">(?:<a[^>]*>)?1<', web.get("/").text)
 
@@ -95,7 +98,7 @@ def test_the_dashboard_reads_the_standby_says_its_lag_and_acts_on_the_primary(
         wait_until(
             lambda: lag_said(web.get("/?fragment=1").text) >= 0.5,
             30,
-            0.1,
+            interval=0.1,
             what="the live part to say the standby is behind",
         )
 
@@ -119,11 +122,11 @@ def test_the_dashboard_reads_the_standby_says_its_lag_and_acts_on_the_primary(
         wait_until(
             lambda: job_state(web.get(f"/jobs/{dead}?fragment=1").text) == "available",
             30,
-            0.1,
+            interval=0.1,
             what="the standby's page to show the retry",
         )
         assert job_ids(web.get("/jobs").text) == {dead, later}
-        wait_until(partial(says_no_lag, web, "/"), 30, 0.1, what="the lag to be 0 again")
+        wait_until(partial(says_no_lag, web, "/"), 30, interval=0.1, what="the lag to be 0 again")
 
 
 def replica_line(html: str) -> str:
@@ -149,14 +152,18 @@ def test_a_standby_that_stopped_streaming_is_said_so_and_since_when(
     cluster = build_cluster(False)
     primary, standby = cluster.primary.local_url(), cluster.standby.local_url()
     job = JobFactory(primary, SCHEMA)(queue="emails", task="shop.charge")
-    wait_until(lambda: on_standby(standby, job), 30, 0.05, what="the standby to replay")
+    wait_until(lambda: on_standby(standby, job), 30, interval=0.05, what="the standby to replay")
 
     with TestClient(
         create_app(primary, SCHEMA, read_url=standby), base_url="http://localhost"
     ) as web:
-        wait_until(partial(says_no_lag, web, "/"), 30, 0.1, what="the page to say 0 s behind")
+        wait_until(
+            partial(says_no_lag, web, "/"), 30, interval=0.1, what="the page to say 0 s behind"
+        )
         cluster.primary.stop()
-        wait_until(partial(has_no_receiver, standby), 60, 0.1, what="the WAL receiver to go")
+        wait_until(
+            partial(has_no_receiver, standby), 60, interval=0.1, what="the WAL receiver to go"
+        )
         with psycopg.connect(standby, autocommit=True) as conn:
             row = conn.execute("SELECT pg_last_xact_replay_timestamp()").fetchone()
         assert row is not None and row[0] is not None

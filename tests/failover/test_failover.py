@@ -34,9 +34,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from chaos.conftest import ROOT, SCHEMA, ChaosDatabase, utcnow, wait_until
+from chaos.conftest import ROOT, SCHEMA, ChaosDatabase, utcnow
 from chaos.test_chaos import LOST_CLAIM, drain, explain_lost_claims, judge
 from cluster.harness import HostFleet
+from conftest import wait_until
 from skiplock.bench.topology import STANDBY, Topology
 
 from .conftest import JOBS, WORKER_HOSTS, record_figures
@@ -179,7 +180,9 @@ def fail_over(cluster: Topology, fleet: HostFleet) -> Failover:
     crashed_at = utcnow()
     cluster.primary.power_off()
     with psycopg.connect(cluster.standby.local_url(), autocommit=True) as standby:
-        wait_until(lambda: not receiving(standby), 30, POLL, what="the standby to notice the loss")
+        wait_until(
+            lambda: not receiving(standby), 30, interval=POLL, what="the standby to notice the loss"
+        )
         row = standby.execute("SELECT pg_last_wal_receive_lsn()::text").fetchone()
     assert row is not None and row[0] is not None
     promoted_at = cluster.standby.promote()
@@ -214,7 +217,7 @@ def run_failover(
             wait_until(
                 lambda: completions(old) >= JOBS // 4,
                 DRAIN_DEADLINE,
-                POLL,
+                interval=POLL,
                 what="a quarter of the jobs to complete",
                 check=fleet.check,
             )

@@ -11,7 +11,8 @@ import pytest
 
 from chaos.chaos_app import app as chaos_app
 from chaos.chaos_app import work_async
-from chaos.conftest import SCHEMA, wait_until
+from chaos.conftest import SCHEMA
+from conftest import wait_until
 from skiplock.bench.topology import Topology
 from skiplock.cli import main
 from skiplock.replica import READ_URL_ENV, ReplicaState
@@ -60,7 +61,7 @@ def test_status_and_jobs_list_read_from_the_standby_and_say_its_lag(
         with psycopg.connect(standby, autocommit=True) as conn:
             return conn.execute(f"SELECT 1 FROM {SCHEMA}.jobs WHERE id = %s", (job_id,)).fetchone()
 
-    wait_until(replayed, 30, 0.05, what="the standby to replay the enqueue")
+    wait_until(replayed, 30, interval=0.05, what="the standby to replay the enqueue")
     base = ["--database-url", primary, "--read-url", standby, "--schema", SCHEMA]
     assert main([*base, "jobs", "list", "--json"]) == 0
     out, err = capsys.readouterr()

@@ -25,6 +25,8 @@ from skiplock.migrate import available_migrations
 
 from .conftest import Cli, Ops
 
+pytestmark = pytest.mark.server_version
+
 SERVER_AUTOVACUUM_OFF = "autovacuum is off for the whole server"
 
 

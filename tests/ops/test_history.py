@@ -24,6 +24,8 @@ from skiplock.sql import history as history_sql
 
 from .conftest import Cli, Ops
 
+pytestmark = pytest.mark.server_version
+
 DAY = timedelta(days=1)
 
 

@@ -24,6 +24,8 @@ from skiplock.periodic import enqueue_due
 
 from .conftest import Ops, StartWorker
 
+pytestmark = pytest.mark.server_version
+
 # Well in the past of the database's clock, so ticks are enqueued as available.
 FIRST_SEEN = datetime(2025, 6, 1, 12, 0, 30, tzinfo=UTC)
 EVERY_5_TICKS = [datetime(2025, 6, 1, 12, m, tzinfo=UTC) for m in (5, 10, 15, 20, 25, 30)]

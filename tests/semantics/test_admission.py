@@ -24,7 +24,7 @@ from skiplock.sql import keys, render
 
 from .conftest import Sem, StartWorkers
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.server_version, pytest.mark.timeout(90)]
 
 
 def admit_pass(

@@ -18,7 +18,7 @@ from .conftest import Sem, StartWorkers
 from .test_limits import PATIENCE
 from .timeline import Timeline, WindowLog, max_overlap, most_starts_within
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.server_version, pytest.mark.timeout(90)]
 
 # Admission is stamped a little before the handler starts.
 SLACK = 0.05

@@ -32,7 +32,7 @@ from skiplock.retry import RetryPolicy
 from .conftest import RunCli, Sem, StartWorkers
 from .timeline import Run, Timeline, max_overlap
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.server_version, pytest.mark.timeout(90)]
 
 QUICK_RETRY = RetryPolicy(base=0.01, cap=0.01, jitter=0.0)
 # Long enough for any wait in these tests on a loaded two-core machine.

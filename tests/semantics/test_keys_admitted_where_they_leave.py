@@ -31,7 +31,7 @@ from skiplock.sql import keys, render
 from .conftest import Sem, StartWorkers
 from .timeline import Timeline
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.server_version, pytest.mark.timeout(90)]
 
 PATIENCE = 30.0
 

@@ -27,7 +27,7 @@ from skiplock.worker.limits import QueueLimits
 from .conftest import RunCli, Sem, StartWorkers
 from .timeline import Timeline, WindowLog, max_overlap, most_starts_within
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.server_version, pytest.mark.timeout(90)]
 
 # Long enough for any wait in these tests on a loaded two-core machine.
 PATIENCE = 30.0

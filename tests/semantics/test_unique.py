@@ -28,7 +28,7 @@ from skiplock.worker import producer
 
 from .conftest import Calls, RunCli, Sem, StartWorkers
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.server_version, pytest.mark.timeout(60)]
 
 AN_HOUR = RetryPolicy(base=3600.0, cap=3600.0, jitter=0.0)
 

@@ -21,6 +21,8 @@ from conftest import wait_until
 
 from .conftest import Ops, StartWorker
 
+pytestmark = pytest.mark.server_version
+
 LEASE = 1.5
 
 

@@ -14,6 +14,8 @@ from skiplock.periodic import enqueue_due
 
 from .conftest import Ops
 
+pytestmark = pytest.mark.server_version
+
 FIRST_SEEN = datetime(2025, 6, 1, 12, 0, 30, tzinfo=UTC)
 LOCK_TIMEOUT_MS = 200
 

@@ -34,7 +34,7 @@ import skiplock
 from conftest import SCHEMA, StartWorker, WorkerThread, wait_until
 from skiplock import client
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.server_version, pytest.mark.timeout(90)]
 
 JOBS = f"{SCHEMA}.jobs"
 CONTROL = f"{SCHEMA}.control"

@@ -31,18 +31,10 @@ import psycopg
 import pytest
 
 import skiplock
-from conftest import WorkerThread
-from test_hostile_notify import liveness_lock_held, no_rights_role
+from conftest import WorkerThread, wait_until
+from test_notify_untrusted import liveness_lock_held, no_rights_role
 
-from .conftest import (
-    DEFAULT_JOBS,
-    JOBS,
-    SCHEMA,
-    ChaosDatabase,
-    record_figures,
-    size_timeout,
-    wait_until,
-)
+from .conftest import DEFAULT_JOBS, JOBS, SCHEMA, ChaosDatabase, record_figures, size_timeout
 
 pytestmark = pytest.mark.chaos
 

@@ -27,7 +27,7 @@ from skiplock.completer import Completer
 from skiplock.outcomes import Cancelled, Completed, Retried, Snoozed
 from skiplock.retry import RetryPolicy
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.server_version, pytest.mark.timeout(90)]
 
 # Both handlers of a pair finish together and the completer waits long enough to gather
 # both outcomes into one flush: the good one shares the bad one's batch.

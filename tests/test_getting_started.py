@@ -217,6 +217,7 @@ def test_embedded_status_and_stop_of_a_server_not_running(tmp_path: Path) -> Non
     assert not (tmp_path / "postgres-18").exists()  # neither started one
 
 
+@pytest.mark.server_version  # so that the embedded half, where it runs, selects it
 @pytest.mark.skipif(
     bool(os.environ.get("SKIPLOCK_TEST_DSN")),
     reason="starts a PostgreSQL 18 of its own: runs with the embedded half of the suite",

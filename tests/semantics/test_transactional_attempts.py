@@ -21,7 +21,7 @@ import skiplock
 from semantics.conftest import Calls, Sem, StartWorkers
 from skiplock.retry import RetryPolicy
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.server_version, pytest.mark.timeout(90)]
 
 NO_RETRY_DELAY = RetryPolicy(base=0.0, cap=0.0, jitter=0.0)
 GOOD_JOBS = 4

@@ -31,7 +31,7 @@ from skiplock.tasks import TaskCall
 from .conftest import Sem, StartWorkers
 from .timeline import Run, Timeline
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.server_version, pytest.mark.timeout(90)]
 
 PATIENCE = 30.0
 
