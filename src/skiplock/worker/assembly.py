@@ -22,7 +22,7 @@ from skiplock.config import control_channel, notify_channel
 from skiplock.control import Wakeup
 from skiplock.cursor import ClaimCursor
 from skiplock.events import EventStream
-from skiplock.metrics import MetricsEvents
+from skiplock.metrics import MetricsEvents, NullMetrics
 from skiplock.outcomes import Outcome
 from skiplock.sql import wakeup
 from skiplock.types import ClaimedJob
@@ -107,9 +107,9 @@ class Parts:
         self.wake = {queue: asyncio.Event() for queue in options.queues}
         self.cursors = {queue: ClaimCursor() for queue in options.queues}
         # Every job event of this run, told once, to the stats, the metrics and the log.
-        self.events = EventStream(
-            StatsEvents(worker.stats), MetricsEvents(worker.metrics), JobLog()
-        )
+        self.events = EventStream(StatsEvents(worker.stats), JobLog())
+        if type(worker.metrics) is not NullMetrics:  # nothing to tell one that exports none
+            self.events.subscribe(MetricsEvents(worker.metrics))
         self._claiming()
         self._completing()
         self._hearing()

@@ -363,8 +363,10 @@ class LeasedJobs:
 
     def _watch_waiting(self) -> None:
         """Arm the timer that gives back jobs waiting past the bound, if it is not armed."""
+        if self._wait_timer is not None or self.ahead is None:
+            return
         oldest = self.running_jobs.oldest_wait()
-        if self._wait_timer is not None or oldest is None or self.ahead is None:
+        if oldest is None:
             return
         loop = asyncio.get_running_loop()
         self._wait_timer = loop.call_at(oldest + self.ahead.wait_bound(), self._check_waiting)

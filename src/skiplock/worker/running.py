@@ -42,10 +42,12 @@ class RunningJob:
     __slots__ = (
         "_progress",
         "_progress_taken",
+        "attempt",
         "began",
         "cancel",
         "claim",
         "given_back",
+        "id",
         "job",
         "started_at",
         "task",
@@ -54,6 +56,10 @@ class RunningJob:
 
     def __init__(self, job: ClaimedJob, claim: ClaimTimes) -> None:
         self.job = job
+        # The job's id and this attempt (the claim's token), read on every transition:
+        # attributes, not properties, as the registry sits on the path of every job.
+        self.id: int = job.id
+        self.attempt: int = job.attempts
         self.claim = claim
         # Set by RunningJobs.claimed, at once.
         self.task: asyncio.Task[None] = None  # type: ignore[assignment]
@@ -69,14 +75,6 @@ class RunningJob:
         self.given_back = False
         self._progress: tuple[int, str] | None = None
         self._progress_taken = 0
-
-    @property
-    def id(self) -> int:
-        return self.job.id
-
-    @property
-    def attempt(self) -> int:
-        return self.job.attempts
 
     def report_progress(self, encoded: str) -> None:
         """The handler's latest ``set_progress`` (from any thread): the last one wins."""
@@ -146,7 +144,8 @@ class RunningJobs:
 
     def finished(self, entry: RunningJob) -> None:
         """``entry``'s task ended, whatever way. A newer claim of the same job is left be."""
-        self.permitted(entry)
+        if entry.waiting_since is not None:  # waiting (claimed_ahead) until permitted
+            self.permitted(entry)
         if self._held.get(entry.id) is entry:
             del self._held[entry.id]
 
