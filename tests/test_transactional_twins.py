@@ -4,6 +4,7 @@ through both (``run_batch``) and checks the same thing of each."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import threading
@@ -215,3 +216,43 @@ def test_a_stop_asked_before_the_batch_starts_no_job(
     assert ran == []
     row = job_of(app, job_id)
     assert (row.state, row.attempts) == (skiplock.JobState.AVAILABLE, 0)
+
+
+def test_a_sync_handler_past_its_timeout_is_charged_with_the_clock_and_random_source_given(
+    app: skiplock.App, make_job: JobFactory
+) -> None:
+    """A sync handler stuck past its timeout cannot be stopped: the server ends its session
+    and the watchdog counts the attempt from a session of its own, with the driver's clock
+    and random source (the async driver cancels its handler instead: no watchdog)."""
+    release = threading.Event()
+
+    @app.task(name="stuck", transactional=True, timeout=0.3, max_attempts=5)
+    def stuck(conn: psycopg.Connection[Any]) -> None:
+        conn.execute("SELECT 1")  # the job's transaction is open
+        release.wait(20)  # stuck outside SQL: the server ends the idle session
+
+    job_id = make_job(task="stuck")
+    rng = CountingRandom()
+
+    def release_once_charged() -> None:
+        for _ in range(400):
+            if job_row(app, job_id)[1] == 1:
+                break
+            threading.Event().wait(0.05)
+        release.set()
+
+    watcher = threading.Thread(target=release_once_charged)
+    watcher.start()
+    try:
+        # The batch's session is gone when the handler returns: its commit fails.
+        with contextlib.suppress(psycopg.Error):
+            run_batch(app, "sync", "stuck", rng=rng, clock=lambda: FIXED_NOW)
+    finally:
+        release.set()
+        watcher.join()
+    state, attempts, errors = job_row(app, job_id)
+    assert (state, attempts) == ("retryable", 1)
+    (error,) = errors if isinstance(errors, list) else json.loads(errors)
+    assert error["type"] == "SessionLostError"
+    assert error["at"] == FIXED_NOW.isoformat()
+    assert rng.draws > 0, "the back-off's jitter comes from the random source given"

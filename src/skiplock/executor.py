@@ -314,7 +314,8 @@ async def _in_thread_timed(
 # job can roll back its own attempts forever. A worker's stop (BatchStop) starts no
 # further job of a batch and commits what finished, a job cut short at the deadline aside.
 
-Step = tuple[str, dict[str, Any]]
+# A statement and its parameters, written in the attempt's transaction.
+Statement = tuple[str, dict[str, Any]]
 
 
 def _completion(job: ClaimedJob, result: object) -> Completed:
@@ -340,7 +341,9 @@ def _refused(job: ClaimedJob, refused: BaseException, now: datetime, rng: random
     return last_resort_outcome(job, job.attempts + 1, refused, now, rng)
 
 
-def _charge_step(app: App, job: ClaimedJob, reason: str, now: datetime, rng: random.Random) -> Step:
+def _charge_statement(
+    app: App, job: ClaimedJob, reason: str, now: datetime, rng: random.Random
+) -> Statement:
     """The statement counting the attempt a lost session took with it (decision 002)."""
     attempt = job.attempts + 1
     error = SessionLostError(storable_text(reason))
@@ -475,7 +478,7 @@ class _NotStartedError(Exception):
     """A stop came between a job's setup and its handler's start (BatchStop.entered)."""
 
 
-def _shutdown_note(app: App, job: ClaimedJob) -> Step:
+def _shutdown_note(app: App, job: ClaimedJob) -> Statement:
     return render(complete.JOB_NOTE_SHUTDOWN_LOCKED, app.schema), {"id": job.id}
 
 
@@ -494,7 +497,7 @@ class _Batch:
         on_finished: Finished,
     ) -> None:
         self.app, self.jobs = app, jobs
-        self._rng, self._clock, self._on_finished = rng, clock, on_finished
+        self.rng, self.clock, self._on_finished = rng, clock, on_finished
         self.finished = 0
         self.running: ClaimedJob | None = None
         self._traced: _TracedAttempt | None = None
@@ -519,11 +522,11 @@ class _Batch:
 
     def failure(self, exc: BaseException) -> Outcome:
         assert self.running is not None
-        return _failure(self.app, self.running, exc, self._clock(), self._rng)
+        return _failure(self.app, self.running, exc, self.clock(), self.rng)
 
     def refused(self, refusal: BaseException) -> Outcome:
         assert self.running is not None
-        return _refused(self.running, refusal, self._clock(), self._rng)
+        return _refused(self.running, refusal, self.clock(), self.rng)
 
     def ended(self, outcome: Outcome) -> None:
         """The running job's outcome is written (in the batch's transaction)."""
@@ -674,7 +677,7 @@ async def _charge_async(
     rng: random.Random,
     clock: Clock,
 ) -> None:
-    step = _charge_step(app, job, reason, clock(), rng)
+    step = _charge_statement(app, job, reason, clock(), rng)
     try:
         if not conn.broken and not conn.closed:
             await conn.execute(*step)  # the session lives; its transaction rolled back
@@ -696,7 +699,7 @@ def _charge_sync(
     clock: Clock,
 ) -> bool:
     """Count a lost attempt (see JOB_CHARGE_LOST_ATTEMPT); True when it was counted now."""
-    step = _charge_step(app, job, reason, clock(), rng)
+    step = _charge_statement(app, job, reason, clock(), rng)
     try:
         if conn is not None and not conn.broken and not conn.closed:
             return conn.execute(*step).fetchone() is not None
@@ -708,7 +711,9 @@ def _charge_sync(
 
 
 @contextmanager
-def _watchdog(app: App, job: ClaimedJob, timeout: float | None) -> Iterator[threading.Event]:
+def _watchdog(
+    app: App, job: ClaimedJob, timeout: float | None, clock: Clock, rng: random.Random
+) -> Iterator[threading.Event]:
     """While a sync handler with a timeout runs, a session of its own waits on the job's
     row lock. If the server ends the job's session (the handler stuck past its timeout:
     its thread cannot be stopped), the wait is granted at once, ahead of any claim, and
@@ -735,7 +740,7 @@ def _watchdog(app: App, job: ClaimedJob, timeout: float | None) -> Iterator[thre
                 row = conn.execute(await_end, {"id": job.id, "attempts": job.attempts}).fetchone()
                 if row is None or done.is_set():
                     return  # the job ended normally (or committed before the wait began)
-                charged = conn.execute(*_charge_step(app, job, reason, utcnow(), random.Random()))
+                charged = conn.execute(*_charge_statement(app, job, reason, clock(), rng))
                 if charged.fetchone() is not None:
                     conn.commit()
                     log.warning("job %s: %s", job.id, reason)
@@ -883,7 +888,7 @@ def _attempt_sync(
         if job.args_error is not None:
             raise ArgumentsError(job.args_error)
         with (
-            _watchdog(app, job, timeout) as watched,
+            _watchdog(app, job, timeout, batch.clock, batch.rng) as watched,
             conn.transaction(complete.JOB_SAVEPOINT),
         ):
             commit_for_us = partial(_cut_sync, app, conn, job, watched)

@@ -721,7 +721,7 @@ class Pages:
 
     # -- actions -----------------------------------------------------------------------
 
-    def on(self, database: Database) -> str:
+    def on_which(self, database: Database) -> str:
         """ " on DATABASE" in a notice or a log line, when there are several."""
         return f" on {database.label}" if self.dashboard.several else ""
 
@@ -748,10 +748,10 @@ class Pages:
             action,
             _who(request, dashboard),
             job_id,
-            self.on(database),
+            self.on_which(database),
         )
         return self.back(
-            request, target, f"job {job_id}{self.on(database)}: {action} done", changed=True
+            request, target, f"job {job_id}{self.on_which(database)}: {action} done", changed=True
         )
 
     async def jobs_bulk(self, request: Request) -> Response:
@@ -793,14 +793,14 @@ class Pages:
             _who(request, dashboard),
             count,
             len(ids),
-            self.on(database),
+            self.on_which(database),
             ids,
         )
         capped = f" (the first {reads.BULK_LIMIT} matching)" if len(ids) >= reads.BULK_LIMIT else ""
         return self.back(
             request,
             target,
-            f"{count} of {len(ids)} jobs{self.on(database)} {done}{capped}",
+            f"{count} of {len(ids)} jobs{self.on_which(database)} {done}{capped}",
             changed=True,
         )
 
@@ -824,13 +824,13 @@ class Pages:
                 "dashboard %s queue %r%s by %s",
                 action,
                 queue,
-                self.on(database),
+                self.on_which(database),
                 _who(request, dashboard),
             )
             return self.back(
                 request,
                 target,
-                f"queue {queue}{self.on(database)} {'paused' if paused else 'resumed'}",
+                f"queue {queue}{self.on_which(database)} {'paused' if paused else 'resumed'}",
                 changed=True,
             )
         if action != "limits":
@@ -854,13 +854,13 @@ class Pages:
         log.info(
             "dashboard limits of queue %r%s by %s: concurrency %s, rate %s",
             queue,
-            self.on(database),
+            self.on_which(database),
             _who(request, dashboard),
             concurrency,
             rate_text or None,
         )
         return self.back(
-            request, target, f"queue {queue}{self.on(database)}: limits saved", changed=True
+            request, target, f"queue {queue}{self.on_which(database)}: limits saved", changed=True
         )
 
 

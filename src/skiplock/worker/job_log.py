@@ -25,7 +25,7 @@ def fields(job: ClaimedJob, attempt: int) -> dict[str, Any]:
     return {"job_id": job.id, "task": job.task, "queue": job.queue, "attempt": attempt}
 
 
-def told() -> bool:
+def jobs_logged() -> bool:
     """Whether claims and completions are logged (checked once per claim or job)."""
     return jobs_log.isEnabledFor(logging.INFO)
 
@@ -42,7 +42,7 @@ def finished(job: ClaimedJob, outcome: Outcome, seconds: float) -> None:
     """An attempt's outcome, of either path (``outcome.attempt`` is the attempt's number)."""
     if outcome.error is not None:
         failed(job, outcome)
-    elif told():
+    elif jobs_logged():
         jobs_log.info(
             "job %s (%s) %s in %.3fs, attempt %d/%d",
             *(job.id, job.task, outcome.kind, seconds, outcome.attempt, job.max_attempts),
@@ -72,7 +72,7 @@ class JobLog(NoEvents):
     """The job events, on the ``skiplock.jobs`` logger."""
 
     def claimed(self, queue: str, count: int, jobs: Sequence[ClaimedJob]) -> None:
-        if jobs and told():
+        if jobs and jobs_logged():
             for job in jobs:
                 claimed(job)
 
