@@ -74,13 +74,17 @@ def test_an_ordering_key_with_a_rate_keeps_order_and_rate(sem: Sem, workers: Sta
 
     workers(2)
     keyed = apply.with_options(ordering_key="order:1", rate_limit=(jobs, period))
-    ids = sem.enqueue_many([keyed.job(n=n) for n in range(total)])
-
-    sem.wait_for_all(ids, "completed", timeout=PATIENCE)
+    with WindowLog(lambda: sem.execute("SELECT key, admissions FROM {key_rates}")) as log:
+        ids = sem.enqueue_many([keyed.job(n=n) for n in range(total)])
+        sem.wait_for_all(ids, "completed", timeout=PATIENCE)
     runs = timeline.runs("order")
     assert [r.n for r in runs] == list(range(total))
     assert max_overlap(runs) == 1
-    assert most_starts_within([r.start for r in runs], period - SLACK) <= jobs
+    # The rate holds for admissions, on the database's clock (a handler's start can lag
+    # its admission on a loaded machine, bringing two windows' starts closer together).
+    admitted = log.times("order:1")
+    assert len(admitted) == total, admitted
+    assert most_starts_within(admitted, period) <= jobs, admitted
 
 
 def test_a_rate_key_runs_at_most_its_rate_count_at_once(sem: Sem) -> None:
