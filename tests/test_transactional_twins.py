@@ -99,6 +99,17 @@ def test_a_handlers_writes_commit_durably(
     assert seen == ["on"]
 
 
+def assert_charged_with(app: skiplock.App, job_id: int, rng: CountingRandom) -> None:
+    """The job's one attempt was counted as lost, stamped FIXED_NOW, backed off with jitter
+    drawn from ``rng``."""
+    state, attempts, errors = job_row(app, job_id)
+    assert (state, attempts) == ("retryable", 1)
+    (error,) = errors if isinstance(errors, list) else json.loads(errors)
+    assert error["type"] == "SessionLostError"
+    assert error["at"] == FIXED_NOW.isoformat()
+    assert rng.draws > 0, "the back-off's jitter comes from the random source given"
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_lost_sessions_charge_uses_the_clock_and_random_source_given(
     app: skiplock.App, make_job: JobFactory, mode: str
@@ -119,12 +130,7 @@ def test_a_lost_sessions_charge_uses_the_clock_and_random_source_given(
     rng = CountingRandom()
     with pytest.raises(psycopg.OperationalError):
         run_batch(app, mode, "lost", rng=rng, clock=lambda: FIXED_NOW)
-    state, attempts, errors = job_row(app, job_id)
-    assert (state, attempts) == ("retryable", 1)
-    (error,) = errors if isinstance(errors, list) else json.loads(errors)
-    assert error["type"] == "SessionLostError"
-    assert error["at"] == FIXED_NOW.isoformat()
-    assert rng.draws > 0, "the back-off's jitter comes from the random source given"
+    assert_charged_with(app, job_id, rng)
 
 
 def job_of(app: skiplock.App, job_id: int) -> skiplock.Job:
@@ -250,9 +256,4 @@ def test_a_sync_handler_past_its_timeout_is_charged_with_the_clock_and_random_so
     finally:
         release.set()
         watcher.join()
-    state, attempts, errors = job_row(app, job_id)
-    assert (state, attempts) == ("retryable", 1)
-    (error,) = errors if isinstance(errors, list) else json.loads(errors)
-    assert error["type"] == "SessionLostError"
-    assert error["at"] == FIXED_NOW.isoformat()
-    assert rng.draws > 0, "the back-off's jitter comes from the random source given"
+    assert_charged_with(app, job_id, rng)
