@@ -184,19 +184,19 @@ def test_a_keys_jobs_run_one_at_a_time_in_enqueue_order_while_keys_run_in_parall
         assert [(r.n, r.attempt) for r in runs] == expected, key
         assert_one_at_a_time(runs)
 
-    # The database agrees: each job of a key was claimed after the one before it had
-    # finished (one clock: the server's).
-    history = {
-        job_id: (attempted_at, finished_at)
-        for job_id, attempted_at, finished_at in sem.execute(
-            "SELECT id, attempted_at, finished_at FROM {history} WHERE id = ANY(%s)",
-            (completed,),
-        )
-    }
+    # The database agrees: each job of a key was claimed after the one before it was
+    # (one clock: the server's). Not "after it finished": attempted_at and finished_at
+    # are each their transaction's start (now()), and a claim's transaction may begin
+    # before the completion that releases its job commits, then see it in its snapshot
+    # (0.55 ms apart, seen on a loaded machine); that no two of a key's jobs ran at once
+    # is the handlers' own record, checked above.
+    claimed_at = dict(
+        sem.execute("SELECT id, attempted_at FROM {history} WHERE id = ANY(%s)", (completed,))
+    )
     for key in keys:
         line = [job_id for job_id in ids[key] if job_id != dead]
         for before, after in itertools.pairwise(line):
-            assert history[after][0] >= history[before][1], (key, before, after)
+            assert claimed_at[after] >= claimed_at[before], (key, before, after)
 
     everything = timeline.runs()
     assert any(a.key != b.key and a.overlaps(b) for a, b in itertools.combinations(everything, 2))
