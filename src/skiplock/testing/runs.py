@@ -29,7 +29,7 @@ from skiplock.completer import (
     storable_outcome,
 )
 from skiplock.executor import claimed_from_row, failure_outcome, run_leased, utcnow
-from skiplock.outcomes import Outcome, failed
+from skiplock.outcomes import OUTCOME_TYPES, Outcome, failed
 from skiplock.sql import claim, complete, render
 from skiplock.storable import encode_result
 from skiplock.tasks import JobSpec, Task, TaskCall
@@ -54,12 +54,7 @@ SERVER_NOW = "SELECT now()"
 SERVER_CLOCKS = "SELECT now(), clock_timestamp()"
 
 # The worker's statements for each group of lease-mode outcomes (as the completer's).
-_OUTCOME_STATEMENTS = {
-    "completed": complete.JOB_COMPLETE_MANY_IF_LEASED,
-    "failed": complete.JOB_FAIL_MANY_IF_LEASED,
-    "snoozed": complete.JOB_SNOOZE_MANY_IF_LEASED,
-    "cancelled": complete.JOB_CANCEL_MANY_IF_LEASED,
-}
+_OUTCOME_STATEMENTS = {kind.group: kind.statements[0] for kind in OUTCOME_TYPES}
 
 
 @dataclass(frozen=True)
