@@ -712,19 +712,27 @@ def _charge_sync(
 
 @contextmanager
 def _watchdog(
-    app: App, job: ClaimedJob, timeout: float | None, clock: Clock, rng: random.Random
+    app: App,
+    conn: psycopg.Connection[Any],
+    job: ClaimedJob,
+    timeout: float | None,
+    clock: Clock,
+    rng: random.Random,
 ) -> Iterator[threading.Event]:
     """While a sync handler with a timeout runs, a session of its own waits on the job's
     row lock. If the server ends the job's session (the handler stuck past its timeout:
     its thread cannot be stopped), the wait is granted at once, ahead of any claim, and
     the attempt is counted (decision 002). When the job ends normally the wait is
-    cancelled. A handler that never returns thus still uses up its attempts. Yields the
-    event that ends the watch: a cut at the shutdown deadline sets it before its commit."""
+    cancelled. A handler that never returns thus still uses up its attempts. The body
+    runs only once the wait is queued (or the watch could not start): a session ended
+    before that would free the row to a claim, uncounted. Yields the event that ends the
+    watch: a cut at the shutdown deadline sets it before its commit."""
     done = threading.Event()
     if timeout is None:
         yield done
         return
     session: list[psycopg.Connection[Any]] = []
+    connected = threading.Event()
     reason = (
         f"the handler outlived its timeout of {timeout}s and the server ended its "
         "session, rolling back its transaction; the attempt is counted"
@@ -732,32 +740,60 @@ def _watchdog(
 
     def watch() -> None:
         try:
-            with psycopg.connect(app.database_url, connect_timeout=10) as conn:
-                session.append(conn)
+            with psycopg.connect(app.database_url, connect_timeout=10) as other:
+                session.append(other)
+                connected.set()
                 if done.is_set():
                     return
                 await_end = render(complete.JOB_AWAIT_SESSION_END, app.schema)
-                row = conn.execute(await_end, {"id": job.id, "attempts": job.attempts}).fetchone()
+                row = other.execute(await_end, {"id": job.id, "attempts": job.attempts}).fetchone()
                 if row is None or done.is_set():
                     return  # the job ended normally (or committed before the wait began)
-                charged = conn.execute(*_charge_statement(app, job, reason, clock(), rng))
+                charged = other.execute(*_charge_statement(app, job, reason, clock(), rng))
                 if charged.fetchone() is not None:
-                    conn.commit()
+                    other.commit()
                     log.warning("job %s: %s", job.id, reason)
         except psycopg.errors.QueryCanceled:
             pass  # the job ended normally
         except Exception:
             if not done.is_set():
                 log.exception("job %s: the watch on its session failed", job.id)
+        finally:
+            connected.set()
 
     threading.Thread(target=watch, name=f"skiplock-watch-{job.id}", daemon=True).start()
     try:
+        _await_watch(app, conn, session, connected)
         yield done
     finally:
         done.set()
         if session:
             with suppress(Exception):
                 session[0].cancel_safe(timeout=2.0)
+
+
+def _await_watch(
+    app: App,
+    conn: psycopg.Connection[Any],
+    session: list[psycopg.Connection[Any]],
+    connected: threading.Event,
+    patience: float = 10.0,
+) -> None:
+    """Return once the watch's session waits on the job's row lock, or the watch failed,
+    or ``patience`` seconds have passed (the handler then runs unwatched, as before)."""
+    deadline = time.monotonic() + patience
+    if not connected.wait(patience) or not session:
+        return
+    query = render(complete.WATCH_IS_WAITING, app.schema)
+    params = {"watcher": session[0].info.backend_pid}
+    pause = 0.001
+    while time.monotonic() < deadline:
+        row = conn.execute(query, params).fetchone()
+        if row is not None and row[0]:
+            return
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+    log.warning("the watch on a sync job's session was not waiting after %ss", patience)
 
 
 def _cut_sync(
@@ -822,8 +858,7 @@ def run_transactional_sync(
             for job in stop.jobs_to_start(jobs):
                 batch.begin(job)
                 timeout = app.tasks[job.task].options.timeout
-                limits.set(timeout)
-                outcome = _attempt_sync(batch, conn, job, stop, timeout)
+                outcome = _attempt_sync(batch, conn, job, stop, limits, timeout)
                 if outcome is None:
                     break
                 limits.reset(timeout)
@@ -878,30 +913,32 @@ def _attempt_sync(
     conn: psycopg.Connection[Any],
     job: ClaimedJob,
     stop: BatchStop,
+    limits: _SessionLimits,
     timeout: float | None,
 ) -> Outcome | None:
-    """Run ``job``'s handler in its savepoint, watched when it has a timeout, and write
-    its outcome; None when a stop came before it started. A cut raises CutShortError:
-    the batch is committed and closed for us (_cut_sync)."""
+    """Run ``job``'s handler in its savepoint, watched and limited when it has a timeout,
+    and write its outcome; None when a stop came before it started. A cut raises
+    CutShortError: the batch is committed and closed for us (_cut_sync)."""
     app = batch.app
     try:
         if job.args_error is not None:
             raise ArgumentsError(job.args_error)
-        with (
-            _watchdog(app, job, timeout, batch.clock, batch.rng) as watched,
-            conn.transaction(complete.JOB_SAVEPOINT),
-        ):
-            commit_for_us = partial(_cut_sync, app, conn, job, watched)
-            if not stop.entered(job, commit_for_us, batch.left):
-                raise _NotStartedError
-            try:
-                result = app.tasks[job.task].fn(conn, **job.args)
-            finally:
-                if stop.left():
-                    # Committed and closed for us (_cut_sync): touch nothing.
-                    raise CutShortError(_CUT_REASON)
-            outcome = _completion(job, result)
-            conn.execute(*locked_write(app.schema, outcome))
+        with _watchdog(app, conn, job, timeout, batch.clock, batch.rng) as watched:
+            # Only now: the server would end a session idle past the limit while the
+            # watch was still starting.
+            limits.set(timeout)
+            with conn.transaction(complete.JOB_SAVEPOINT):
+                commit_for_us = partial(_cut_sync, app, conn, job, watched)
+                if not stop.entered(job, commit_for_us, batch.left):
+                    raise _NotStartedError
+                try:
+                    result = app.tasks[job.task].fn(conn, **job.args)
+                finally:
+                    if stop.left():
+                        # Committed and closed for us (_cut_sync): touch nothing.
+                        raise CutShortError(_CUT_REASON)
+                outcome = _completion(job, result)
+                conn.execute(*locked_write(app.schema, outcome))
     except CutShortError:
         raise  # the batch is committed and closed for us
     except _NotStartedError as unstarted:

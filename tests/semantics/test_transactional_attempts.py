@@ -173,6 +173,28 @@ def test_a_sync_job_that_always_hangs_is_counted_and_ends_dead(
     assert sem.job(job_id).attempts == 2
 
 
+def test_a_sync_job_with_a_timeout_starts_only_once_its_watch_waits_on_its_row(
+    sem: Sem, workers: StartWorkers
+) -> None:
+    """The watch must queue on the row lock before the handler can hang: a session ended
+    before the watch waits frees the row to a claim, and the attempt goes uncounted."""
+    waiting: list[int] = []
+
+    @sem.app.task(name="watched", transactional=True, timeout=30)
+    def watched(conn: psycopg.Connection[Any]) -> None:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE pg_backend_pid() = ANY(pg_blocking_pids(pid))"
+        ).fetchone()
+        assert row is not None
+        waiting.append(row[0])
+
+    job_id = sem.enqueue(watched)
+    workers(1)
+    sem.wait_for_state(job_id, "completed")
+    assert waiting == [1]
+
+
 def test_skiplock_retry_in_transactional_mode_at_an_impossible_time_is_recorded(
     sem: Sem, workers: StartWorkers
 ) -> None:

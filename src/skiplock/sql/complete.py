@@ -341,6 +341,12 @@ WHERE id = %(id)s AND attempts = %(attempts)s AND state = 'available'
 FOR UPDATE
 """
 
+# Asked on the job's own session before its handler starts: is the watch's session
+# queued on this transaction's row lock yet? Only then may the handler hang safely.
+WATCH_IS_WAITING = """
+SELECT pg_backend_pid() = ANY(pg_blocking_pids(%(watcher)s))
+"""
+
 # Lease mode, one row: an outcome whose write was refused for that row alone (a value
 # PostgreSQL would not take) becomes a failed attempt with the reason. Dead once its
 # attempts are used up, decided here where max_attempts is known. Fenced as the others.
