@@ -38,7 +38,7 @@ def scenario(body: Callable[[RunningJobs], Awaitable[None]]) -> None:
 def test_a_job_is_held_from_its_claim_until_it_finishes() -> None:
     async def body(jobs: RunningJobs) -> None:
         entry = jobs.claimed(job(1), ClaimTimes(0.0), idle)
-        assert jobs.holds(entry) and jobs.attempt_of(1) == 1 and len(jobs) == 1
+        assert entry.held and jobs.attempt_of(1) == 1 and len(jobs) == 1
         assert jobs.running == 1
         jobs.started(entry, 10.0)
         assert jobs.running_longer_than(5.0, 16.0) == 1
@@ -55,13 +55,27 @@ def test_a_job_claimed_again_is_not_let_go_when_its_former_attempt_ends() -> Non
         former = jobs.claimed(job(1), ClaimTimes(0.0), idle)
         jobs.claimed_ahead(former, 1.0)
         assert [e.id for e in jobs.give_back([1])] == [1]
-        assert former.given_back and not jobs.holds(former)
+        assert former.given_back and not former.held
         newer = jobs.claimed(job(1), ClaimTimes(2.0), idle)
         jobs.claimed_ahead(newer, 3.0)
         jobs.finished(former)  # the former's task ends after the newer claim
-        assert jobs.holds(newer) and jobs.waiting() == [1]
+        assert newer.held and jobs.waiting() == [1]
         assert not jobs.lease_lost(former)
         assert jobs.lease_lost(newer) and not jobs and jobs.waiting() == []
+        former.task.cancel()
+        newer.task.cancel()
+
+    scenario(body)
+
+
+def test_a_newer_claim_of_a_held_job_replaces_its_former_attempt() -> None:
+    async def body(jobs: RunningJobs) -> None:
+        former = jobs.claimed(job(1), ClaimTimes(0.0), idle)
+        newer = jobs.claimed(job(1), ClaimTimes(1.0), idle)
+        assert newer.held and not former.held and jobs.get(1) is newer
+        jobs.finished(former)
+        assert jobs.get(1) is newer and len(jobs) == 1
+        assert not jobs.lease_lost(former)
         former.task.cancel()
         newer.task.cancel()
 

@@ -28,15 +28,6 @@ SNOOZE = (complete.JOB_SNOOZE_MANY_IF_LEASED, complete.JOB_SNOOZE_MANY_ALONE)
 CANCEL = (complete.JOB_CANCEL_MANY_IF_LEASED, complete.JOB_CANCEL_MANY_ALONE)
 
 
-def _entry(attempt: int, progress_json: str | None) -> dict[str, Any]:
-    # A value left out reads as NULL (->>), as JSON null does: less to encode, send and
-    # parse for the progress most outcomes do not have.
-    entry: dict[str, Any] = {"attempt": attempt}
-    if progress_json is not None:
-        entry["progress"] = progress_json
-    return entry
-
-
 @dataclass(frozen=True, slots=True)
 class Completed:
     """The handler returned; ``result_json`` is its encoded return value (None: none)."""
@@ -56,57 +47,62 @@ class Completed:
     cancelled: ClassVar[bool] = False
 
     def entry(self) -> dict[str, Any]:
-        entry = _entry(self.attempt, self.progress_json)
+        # A value left out reads as NULL (->>), as JSON null does: less to encode, send
+        # and parse for the progress and result most outcomes do not have.
+        entry: dict[str, Any] = {"attempt": self.attempt}
+        if self.progress_json is not None:
+            entry["progress"] = self.progress_json
         if self.result_json is not None:
             entry["result"] = self.result_json
         return entry
 
 
 @dataclass(frozen=True, slots=True)
-class Retried:
-    """The attempt failed (``error`` is its record); the job runs again ``delay`` s on."""
+class _Failed:
+    """A failed attempt (``error`` is its record): the one failure statement writes both
+    kinds, its entry saying which."""
 
     job_id: int
     attempt: int
     error: dict[str, Any]
+    # Retried: the job runs again this many seconds on. Dead: the back-off the retry
+    # policy gave, kept as the row's retry_at as before.
     delay: float = 0.0
     progress_json: str | None = None
 
-    kind: ClassVar[str] = "retried"
+    kind: ClassVar[str]
+    dead: ClassVar[bool]
     group: ClassVar[str] = "failed"
     result_json: ClassVar[None] = None
     statements: ClassVar[tuple[str, str]] = FAIL
-    dead: ClassVar[bool] = False
     cancelled: ClassVar[bool] = False
 
     def entry(self) -> dict[str, Any]:
-        entry = _entry(self.attempt, self.progress_json)
-        entry.update(dead=False, delay=self.delay, error=self.error)
+        entry: dict[str, Any] = {
+            "attempt": self.attempt,
+            "dead": self.dead,
+            "delay": self.delay,
+            "error": self.error,
+        }
+        if self.progress_json is not None:
+            entry["progress"] = self.progress_json
         return entry
 
 
 @dataclass(frozen=True, slots=True)
-class Dead:
-    """The attempt failed and was the last one the job gets (``error`` is its record)."""
+class Retried(_Failed):
+    """The attempt failed; the job runs again ``delay`` s on."""
 
-    job_id: int
-    attempt: int
-    error: dict[str, Any]
-    # The back-off the retry policy gave, kept as the row's retry_at as before.
-    delay: float = 0.0
-    progress_json: str | None = None
+    kind: ClassVar[str] = "retried"
+    dead: ClassVar[bool] = False
+
+
+@dataclass(frozen=True, slots=True)
+class Dead(_Failed):
+    """The attempt failed and was the last one the job gets."""
 
     kind: ClassVar[str] = "dead"
-    group: ClassVar[str] = "failed"
-    result_json: ClassVar[None] = None
-    statements: ClassVar[tuple[str, str]] = FAIL
     dead: ClassVar[bool] = True
-    cancelled: ClassVar[bool] = False
-
-    def entry(self) -> dict[str, Any]:
-        entry = _entry(self.attempt, self.progress_json)
-        entry.update(dead=True, delay=self.delay, error=self.error)
-        return entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,8 +123,9 @@ class Snoozed:
     cancelled: ClassVar[bool] = False
 
     def entry(self) -> dict[str, Any]:
-        entry = _entry(self.attempt, self.progress_json)
-        entry["delay"] = self.delay
+        entry: dict[str, Any] = {"attempt": self.attempt, "delay": self.delay}
+        if self.progress_json is not None:
+            entry["progress"] = self.progress_json
         return entry
 
 
@@ -150,7 +147,10 @@ class Cancelled:
     cancelled: ClassVar[bool] = True
 
     def entry(self) -> dict[str, Any]:
-        return _entry(self.attempt, self.progress_json)
+        entry: dict[str, Any] = {"attempt": self.attempt}
+        if self.progress_json is not None:
+            entry["progress"] = self.progress_json
+        return entry
 
 
 Outcome = Completed | Retried | Dead | Snoozed | Cancelled

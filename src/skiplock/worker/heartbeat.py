@@ -245,7 +245,7 @@ class Heartbeat(PeriodicService):
             if not extended:
                 self._locked.add(job_id)
         for job_id, entry in held.items():
-            if job_id in kept or not self._running.holds(entry):
+            if job_id in kept or not entry.held:
                 continue
             # Lost between heartbeats, or finished and already flushed: only the former
             # is still held here with no outcome pending.

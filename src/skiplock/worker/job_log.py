@@ -42,7 +42,7 @@ def finished(job: ClaimedJob, outcome: Outcome, seconds: float) -> None:
     """An attempt's outcome, of either path (``outcome.attempt`` is the attempt's number)."""
     if outcome.error is not None:
         failed(job, outcome)
-    elif jobs_logged():
+    elif jobs_log.isEnabledFor(logging.INFO):
         jobs_log.info(
             "job %s (%s) %s in %.3fs, attempt %d/%d",
             *(job.id, job.task, outcome.kind, seconds, outcome.attempt, job.max_attempts),

@@ -272,7 +272,8 @@ class LeasedJobs:
         if self.stopping:
             self.give_back([entry.id])  # the worker is stopping: not started
             raise asyncio.CancelledError
-        self._watch_waiting()
+        if self._wait_timer is None:
+            self._watch_waiting()
         try:
             await permits.acquire()
         finally:
@@ -341,7 +342,7 @@ class LeasedJobs:
         if self.ahead is not None:
             self.ahead.job_ended(seconds)
         self._events.ended(job, outcome, seconds)
-        if self.running_jobs.holds(entry):
+        if entry.held:
             self.completer.add(outcome)
         elif self.running_jobs.get(job.id) is not None:
             # Given back while it ran and claimed again by this worker: the new claim
@@ -460,7 +461,8 @@ class LeasedJobs:
         Unconfirmed, it is dropped without an outcome: if it is still ours after all, its
         lease runs out and it runs again."""
         job = entry.job
-        if self._superseded(entry):
+        if not entry.held:
+            self._superseded(entry)
             self._events.lost(job, job.attempts)
             return False
         if (
@@ -503,7 +505,8 @@ class LeasedJobs:
                 job.attempts,
             )
             return False
-        if self._superseded(entry):
+        if not entry.held:
+            self._superseded(entry)
             self._events.lost(job, job.attempts)
             return False
         return True
@@ -527,7 +530,9 @@ class LeasedJobs:
             if started:
                 # Given back and claimed again meanwhile by this worker: the new claim's
                 # task runs it (the write could not tell the two apart).
-                return not self._superseded(entry)
+                if not entry.held:
+                    self._superseded(entry)
+                return entry.held
             if attempt < CONFIRM_TRIES:
                 await asyncio.sleep(GIVE_BACK_RETRY_SECONDS)  # locked by another transaction?
         else:
@@ -540,11 +545,9 @@ class LeasedJobs:
         self._events.lost(job, job.attempts)
         return False
 
-    def _superseded(self, entry: RunningJob) -> bool:
-        """Whether ``entry`` is no longer held: given back while it waited, and maybe
-        claimed again by this worker, whose newer attempt is held now."""
-        if self.running_jobs.holds(entry):
-            return False
+    def _superseded(self, entry: RunningJob) -> None:
+        """Say why ``entry``, no longer held, does not start: given back while it waited,
+        and maybe claimed again by this worker, whose newer attempt is held now."""
         log.warning(
             "job %s attempt %s: given back while it waited for a slot%s; not starting it",
             entry.id,
@@ -553,7 +556,6 @@ class LeasedJobs:
             if self.running_jobs.get(entry.id) is None
             else " and claimed again (the new claim runs it)",
         )
-        return True
 
     def _hold_slot(self, slots: Slots, thread: asyncio.Future[Any]) -> None:
         """A timed-out sync handler still occupies a thread: keep a slot taken until it

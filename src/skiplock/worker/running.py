@@ -47,6 +47,7 @@ class RunningJob:
         "cancel",
         "claim",
         "given_back",
+        "held",
         "id",
         "job",
         "started_at",
@@ -73,6 +74,9 @@ class RunningJob:
         self.started_at: float | None = None
         # Given back unstarted: its task ends without an outcome.
         self.given_back = False
+        # Still the attempt of its job this worker holds (kept by RunningJobs): read as an
+        # attribute, on the path of every job.
+        self.held = True
         self._progress: tuple[int, str] | None = None
         self._progress_taken = 0
 
@@ -111,6 +115,9 @@ class RunningJobs:
         (``run``). A job given back and claimed again replaces its former attempt here."""
         entry = RunningJob(job, claim)
         entry.task = asyncio.create_task(run(entry))
+        former = self._held.get(job.id)
+        if former is not None:
+            former.held = False
         self._held[job.id] = entry
         return entry
 
@@ -146,7 +153,8 @@ class RunningJobs:
         """``entry``'s task ended, whatever way. A newer claim of the same job is left be."""
         if entry.waiting_since is not None:  # waiting (claimed_ahead) until permitted
             self.permitted(entry)
-        if self._held.get(entry.id) is entry:
+        if entry.held:
+            entry.held = False
             del self._held[entry.id]
 
     def give_back(self, job_ids: list[int] | None = None) -> list[RunningJob]:
@@ -160,7 +168,8 @@ class RunningJobs:
                 continue  # it got its permit meanwhile: it is starting
             entry.waiting_since = None
             entry.given_back = True
-            if self._held.get(job_id) is entry:
+            if entry.held:
+                entry.held = False
                 del self._held[job_id]
             taken.append(entry)
         return taken
@@ -169,8 +178,9 @@ class RunningJobs:
         """The database no longer holds ``entry`` for this worker (or the worker lets it
         go, cut short at shutdown): it leaves the registry. False if it had left already."""
         self.permitted(entry)
-        if self._held.get(entry.id) is not entry:
+        if not entry.held:
             return False
+        entry.held = False
         del self._held[entry.id]
         return True
 
@@ -178,10 +188,6 @@ class RunningJobs:
 
     def get(self, job_id: int) -> RunningJob | None:
         return self._held.get(job_id)
-
-    def holds(self, entry: RunningJob) -> bool:
-        """Whether ``entry`` is still the attempt of its job this worker holds."""
-        return self._held.get(entry.id) is entry
 
     def attempt_of(self, job_id: int) -> int | None:
         """The attempt of ``job_id`` held here, or None."""
