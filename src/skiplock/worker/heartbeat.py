@@ -123,6 +123,20 @@ class Heartbeat(PeriodicService):
         self._claims = claims if claims is not None else ClaimsInFlight()
         self._settling = settling
         self._clock: deque[tuple[float, datetime]] = deque(maxlen=CLOCK_READINGS)
+        self._render(schema)
+        # Jobs given back because this worker did not run them, since it started.
+        self.given_back = 0
+        self._reconcile_ms = max(int(min(max(every / 2, 0.5), 2 * every) * 1000), 1)
+        self._reconcile_failed = False
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._next_beat = 0.0
+        self.beats = 0
+        # Jobs whose lease the last beats could not extend (their row locked elsewhere):
+        # warned about once each.
+        self._locked: set[int] = set()
+
+    def _render(self, schema: str) -> None:
+        """The statements of a beat, rendered for ``schema`` once."""
         self._clock_read = render(maintenance.DATABASE_CLOCK_READ, schema)
         self._unknown = render(maintenance.JOB_RUNNING_UNKNOWN, schema)
         self._give_back = render(maintenance.JOB_GIVE_BACK_UNKNOWN, schema)
@@ -130,19 +144,9 @@ class Heartbeat(PeriodicService):
         self._done = render(complete.JOBS_DONE_NOTIFY, schema)
         self._channel = notify_channel(schema)
         self._done_channel = done_channel(schema)
-        # Jobs given back because this worker did not run them, since it started.
-        self.given_back = 0
-        self._reconcile_ms = max(int(min(max(every / 2, 0.5), 2 * every) * 1000), 1)
-        self._reconcile_failed = False
         self._touch = render(maintenance.WORKER_TOUCH, schema)
         self._extend = render(maintenance.JOB_EXTEND_LEASES_SKIP_LOCKED, schema)
         self._progress = render(complete.JOB_PROGRESS_SET, schema)
-        self._conn: psycopg.AsyncConnection[Any] | None = None
-        self._next_beat = 0.0
-        self.beats = 0
-        # Jobs whose lease the last beats could not extend (their row locked elsewhere):
-        # warned about once each.
-        self._locked: set[int] = set()
 
     async def run(self) -> None:
         try:

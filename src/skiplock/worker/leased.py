@@ -53,6 +53,19 @@ GIVE_BACK_TRIES = 3
 GIVE_BACK_RETRY_SECONDS = 0.1
 
 
+def _claim_statements(schema: str) -> dict[tuple[bool, bool], str]:
+    """The claim statements, by (marked claimed ahead, after a cursor position). Jobs
+    claimed beyond free run permits may wait for one: marked claimed ahead until their
+    start is recorded, so that rescue does not charge one that never started (decision
+    015), and they keep their queued-scope unique key until then."""
+    return {
+        (False, False): render(claim.JOB_CLAIM_BATCH, schema),
+        (False, True): render(claim.JOB_CLAIM_BATCH_AFTER, schema),
+        (True, False): render(claim.JOB_CLAIM_AHEAD, schema),
+        (True, True): render(claim.JOB_CLAIM_AHEAD_AFTER, schema),
+    }
+
+
 class LeasedJobs:
     """The lease-mode jobs of one worker process, from claim to outcome."""
 
@@ -119,17 +132,8 @@ class LeasedJobs:
         threads: ThreadPoolExecutor,
         slots: Slots,
     ) -> Fetch:
-        schema = self._app.schema
         permits = self._permits
-        # Jobs claimed beyond free run permits may wait for one: marked claimed ahead until
-        # their start is recorded, so that rescue does not charge one that never started
-        # (decision 015), and they keep their queued-scope unique key until then.
-        statements = {
-            (False, False): render(claim.JOB_CLAIM_BATCH, schema),
-            (False, True): render(claim.JOB_CLAIM_BATCH_AFTER, schema),
-            (True, False): render(claim.JOB_CLAIM_AHEAD, schema),
-            (True, True): render(claim.JOB_CLAIM_AHEAD_AFTER, schema),
-        }
+        statements = _claim_statements(self._app.schema)
         limits = self._limits
         start = partial(self._run, threads=threads, slots=slots)
 
