@@ -18,6 +18,7 @@ exports them alone, from a process of its own. Every metric: docs/metrics.md.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -136,82 +137,70 @@ class PrometheusMetrics(NullMetrics):
                 f"queue_gauges={queue_gauges!r}: choose one of {', '.join(QUEUE_GAUGE_MODES)}"
             )
         self.registry = registry if registry is not None else CollectorRegistry()
-        self._jobs = Counter(
+        # Every metric in the one registry.
+        counter = functools.partial(Counter, registry=self.registry)
+        gauge = functools.partial(Gauge, registry=self.registry)
+        histogram = functools.partial(Histogram, registry=self.registry)
+        self._jobs = counter(
             "skiplock_jobs",
             "Job attempts finished, by outcome (completed, retried, dead)",
             ["queue", "task", "outcome"],
-            registry=self.registry,
         )
-        self._duration = Histogram(
+        self._duration = histogram(
             "skiplock_job_duration_seconds",
             "Handler run time",
             ["queue", "task"],
-            registry=self.registry,
             buckets=(0.001, 0.005, 0.025, 0.1, 0.5, 1, 5, 30, 120, 600),
         )
-        self._claimed = Counter(
+        self._claimed = counter(
             "skiplock_claimed_jobs",
             "Jobs claimed by this worker",
             ["queue"],
-            registry=self.registry,
         )
-        self._batch = Histogram(
+        self._batch = histogram(
             "skiplock_completer_batch_size",
             "Outcomes written per flush",
-            registry=self.registry,
             buckets=(1, 5, 10, 50, 100, 500, 1000, 5000),
         )
-        self._refused = Counter(
+        self._refused = counter(
             "skiplock_refused_stale_writes",
             "Outcomes refused because the lease was lost (the job was rescued)",
-            registry=self.registry,
         )
-        self._rescued = Counter(
+        self._rescued = counter(
             "skiplock_rescued_jobs",
             "Jobs of dead workers or expired leases given back",
-            registry=self.registry,
         )
-        self._restarts = Counter(
+        self._restarts = counter(
             "skiplock_service_restarts",
             "Restarts of a worker service after it raised (the traceback is in the log)",
             ["service"],
-            registry=self.registry,
         )
-        self._attempts = Counter(
+        self._attempts = counter(
             "skiplock_attempts",
             "Attempts started, by queue and task (a retry is one more)",
             ["queue", "task"],
-            registry=self.registry,
         )
-        self._queue_wait = Histogram(
+        self._queue_wait = histogram(
             "skiplock_queue_wait_seconds",
             "From a job's due time (its run_at: enqueue, or the time it was scheduled for) "
             "to the start of its first attempt",
             ["queue"],
-            registry=self.registry,
             buckets=(0.001, 0.005, 0.025, 0.1, 0.5, 1, 5, 30, 120, 600, 3600),
         )
-        self._failures = Counter(
+        self._failures = counter(
             "skiplock_job_failures",
             "Failed attempts (retried or dead), by the exception class the handler raised",
             ["queue", "task", "error"],
-            registry=self.registry,
         )
-        self._up = Gauge(
-            "skiplock_worker_up", "1 while this process runs a worker", registry=self.registry
-        )
-        self._slots = Gauge(
-            "skiplock_worker_slots", "Jobs this worker may run at once", registry=self.registry
-        )
-        self._busy = Gauge(
+        self._up = gauge("skiplock_worker_up", "1 while this process runs a worker")
+        self._slots = gauge("skiplock_worker_slots", "Jobs this worker may run at once")
+        self._busy = gauge(
             "skiplock_worker_busy_slots",
             "Slots of this worker running a job at scrape time",
-            registry=self.registry,
         )
-        self._leader = Gauge(
+        self._leader = gauge(
             "skiplock_worker_leader",
             "1 while this worker is the elected leader (it then exports the queue gauges)",
-            registry=self.registry,
         )
         self._leads: Callable[[], bool] | None = None
         self._queue_gauges = queue_gauges

@@ -35,46 +35,54 @@ def _settled(job: Job) -> bool:
     return False
 
 
-def _timed_out(job_id: int, timeout: float | None) -> TimeoutError:
-    return TimeoutError(f"job {job_id} did not finish within {timeout}s")
+class _Deadline:
+    """How long each wait for a notification may last: a poll's interval, cut to what is
+    left of ``timeout``; TimeoutError once nothing is left (None waits for ever)."""
+
+    def __init__(self, job_id: int, timeout: float | None) -> None:
+        self._job_id = job_id
+        self._timeout = timeout
+        self._at = None if timeout is None else time.monotonic() + timeout
+
+    def next_wait(self) -> float:
+        if self._at is None:
+            return POLL_SECONDS
+        wait = min(POLL_SECONDS, self._at - time.monotonic())
+        if wait <= 0:
+            raise TimeoutError(f"job {self._job_id} did not finish within {self._timeout}s")
+        return wait
+
+
+def _listen(schema: str) -> sql.Composed:
+    return sql.SQL("LISTEN {}").format(sql.Identifier(done_channel(schema)))
 
 
 def wait_for_result(app: App, job_id: int, timeout: float | None = None) -> Any:
     """The job's stored result once it completes; JobFailedError if it ends dead or
     cancelled; TimeoutError after ``timeout`` seconds (None waits for ever)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline = _Deadline(job_id, timeout)
     with psycopg.connect(app.database_url, autocommit=True, prepare_threshold=None) as conn:
-        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(done_channel(app.schema))))
+        conn.execute(_listen(app.schema))
         while True:
             job = client.get_job(conn, app.schema, job_id)
             if _settled(job):
                 return job.result
-            wait = (
-                POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - time.monotonic())
-            )
-            if wait <= 0:
-                raise _timed_out(job_id, timeout)
-            for _ in conn.notifies(timeout=wait, stop_after=1):
+            for _ in conn.notifies(timeout=deadline.next_wait(), stop_after=1):
                 pass
 
 
 async def wait_for_result_async(app: App, job_id: int, timeout: float | None = None) -> Any:
     """Async twin of ``wait_for_result``."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline = _Deadline(job_id, timeout)
     async with await psycopg.AsyncConnection.connect(
         app.database_url, autocommit=True, prepare_threshold=None
     ) as conn:
-        await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(done_channel(app.schema))))
+        await conn.execute(_listen(app.schema))
         while True:
             job = await client.get_job_async(conn, app.schema, job_id)
             if _settled(job):
                 return job.result
-            wait = (
-                POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - time.monotonic())
-            )
-            if wait <= 0:
-                raise _timed_out(job_id, timeout)
-            async for _ in conn.notifies(timeout=wait, stop_after=1):
+            async for _ in conn.notifies(timeout=deadline.next_wait(), stop_after=1):
                 pass
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeGuard, TypeVar
 
 from skiplock.errors import ConfigurationError, EnqueueError
 from skiplock.retry import RetryPolicy
@@ -110,12 +110,13 @@ MAX_ATTEMPTS_LIMIT = 2**31 - 1  # the column is an integer
 MAX_DELAY_SECONDS = 100 * 365 * 24 * 3600.0
 
 
+def _is_count(value: object, most: int) -> TypeGuard[int]:
+    """A whole number from 1 to ``most`` (True and False are not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= most
+
+
 def _check_max_attempts(value: object) -> int:
-    if (
-        not isinstance(value, int)
-        or isinstance(value, bool)
-        or not (1 <= value <= MAX_ATTEMPTS_LIMIT)
-    ):
+    if not _is_count(value, MAX_ATTEMPTS_LIMIT):
         raise ConfigurationError(
             f"max_attempts must be an integer from 1 to {MAX_ATTEMPTS_LIMIT:,}, got {value!r}"
         )
@@ -388,11 +389,7 @@ def _check_keys(options: Mapping[str, Any], current: Mapping[str, Any]) -> None:
                 "concurrency_limit needs a concurrency_key to count by"
                 + (" (an ordering_key runs one job at a time)" if held else "")
             )
-        if (
-            not isinstance(limit, int)
-            or isinstance(limit, bool)
-            or not (1 <= limit <= MAX_KEY_LIMIT)
-        ):
+        if not _is_count(limit, MAX_KEY_LIMIT):
             raise ConfigurationError(
                 f"concurrency_limit must be an integer from 1 to {MAX_KEY_LIMIT}, got {limit!r}"
             )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar, Unpack
 
 import psycopg
 from psycopg.rows import dict_row
@@ -188,37 +188,19 @@ def get_job(conn: Conn, schema: str, job_id: int) -> Job:
 
 
 def list_jobs(
-    conn: Conn,
-    schema: str,
-    *,
-    state: str | None = None,
-    queue: str | None = None,
-    task: str | None = None,
-    older_than: float | None = None,
-    limit: int = 100,
+    conn: Conn, schema: str, *, limit: int = 100, **filters: Unpack[params.JobFilters]
 ) -> list[Job]:
     """Live jobs (not history) matching every filter given; ``older_than`` in seconds."""
-    filters = {"state": state, "queue": queue, "task": task, "older_than": older_than}
+    values = {**params.filter_params(filters), "limit": limit}
     with conn.cursor(row_factory=dict_row) as cur:
-        cur.execute(render(admin.JOB_LIST, schema), {**filters, "limit": limit})
+        cur.execute(render(admin.JOB_LIST, schema), values)
         rows = cur.fetchall()
     return [params.job_from_row(r) for r in rows]
 
 
-def select_job_ids(
-    conn: Conn,
-    schema: str,
-    *,
-    state: str | None = None,
-    queue: str | None = None,
-    task: str | None = None,
-    older_than: float | None = None,
-) -> list[int]:
+def select_job_ids(conn: Conn, schema: str, **filters: Unpack[params.JobFilters]) -> list[int]:
     """Ids of the live jobs a bulk retry, cancel or delete would act on."""
-    cur = conn.execute(
-        render(admin.JOB_SELECT_IDS, schema),
-        {"state": state, "queue": queue, "task": task, "older_than": older_than},
-    )
+    cur = conn.execute(render(admin.JOB_SELECT_IDS, schema), params.filter_params(filters))
     return [int(r[0]) for r in cur.fetchall()]
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar, Unpack
 
 import psycopg
 from psycopg.rows import dict_row
@@ -188,37 +188,21 @@ async def get_job_async(conn: AsyncConn, schema: str, job_id: int) -> Job:
 
 
 async def list_jobs_async(
-    conn: AsyncConn,
-    schema: str,
-    *,
-    state: str | None = None,
-    queue: str | None = None,
-    task: str | None = None,
-    older_than: float | None = None,
-    limit: int = 100,
+    conn: AsyncConn, schema: str, *, limit: int = 100, **filters: Unpack[params.JobFilters]
 ) -> list[Job]:
     """Live jobs (not history) matching every filter given; ``older_than`` in seconds."""
-    filters = {"state": state, "queue": queue, "task": task, "older_than": older_than}
+    values = {**params.filter_params(filters), "limit": limit}
     async with conn.cursor(row_factory=dict_row) as cur:
-        await cur.execute(render(admin.JOB_LIST, schema), {**filters, "limit": limit})
+        await cur.execute(render(admin.JOB_LIST, schema), values)
         rows = await cur.fetchall()
     return [params.job_from_row(r) for r in rows]
 
 
 async def select_job_ids_async(
-    conn: AsyncConn,
-    schema: str,
-    *,
-    state: str | None = None,
-    queue: str | None = None,
-    task: str | None = None,
-    older_than: float | None = None,
+    conn: AsyncConn, schema: str, **filters: Unpack[params.JobFilters]
 ) -> list[int]:
     """Ids of the live jobs a bulk retry, cancel or delete would act on."""
-    cur = await conn.execute(
-        render(admin.JOB_SELECT_IDS, schema),
-        {"state": state, "queue": queue, "task": task, "older_than": older_than},
-    )
+    cur = await conn.execute(render(admin.JOB_SELECT_IDS, schema), params.filter_params(filters))
     return [int(r[0]) for r in await cur.fetchall()]
 
 

@@ -4,9 +4,9 @@ parameters, COPY text, job rows, and the checks of admin arguments. The I/O shel
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypedDict
 
 import psycopg
 
@@ -26,6 +26,26 @@ COPY_CHUNK_ROWS = 2000
 COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
 
 UniqueKey = tuple[str, str]  # (scope, key): the same key in both scopes is two keys
+
+
+class JobFilters(TypedDict, total=False):
+    """The filters of the admin listings of live jobs (sql/admin.py, JOB_LIST and
+    JOB_SELECT_IDS); one not given, or None, filters nothing."""
+
+    state: str | None
+    queue: str | None
+    task: str | None
+    older_than: float | None  # seconds since the job was enqueued
+
+
+def filter_params(filters: Mapping[str, object]) -> dict[str, object]:
+    """Every filter's statement parameter, None where not given. A name that is no filter
+    is a TypeError, as it was when the filters were keyword parameters of their own."""
+    names = JobFilters.__annotations__
+    unknown = [name for name in filters if name not in names]
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
+    return {name: filters.get(name) for name in names}
 
 
 def schema_not_ready(schema: str, exc: psycopg.Error) -> SchemaNotReadyError:

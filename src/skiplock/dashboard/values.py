@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg.pq import Format
 from psycopg.types.datetime import TimestamptzLoader
-from psycopg.types.json import JsonbLoader, JsonLoader
+from psycopg.types.json import JsonLoader
 
 T = TypeVar("T")
 
@@ -57,15 +57,10 @@ def _text(data: Any) -> str:
     return bytes(data).decode("utf-8", errors="replace")
 
 
-class _TolerantJsonbLoader(JsonbLoader):
-    def load(self, data: Any) -> Any:
-        try:
-            return super().load(data)
-        except (RecursionError, ValueError):
-            return RawJson(_text(data))
-
-
 class _TolerantJsonLoader(JsonLoader):
+    """For json and jsonb alike: in text format psycopg loads both the same way (its
+    JsonbLoader differs from JsonLoader only by name), from the JSON text."""
+
     def load(self, data: Any) -> Any:
         try:
             return super().load(data)
@@ -81,8 +76,8 @@ class _TolerantTimestamptzLoader(TimestamptzLoader):
             return FarTime.of(_text(data))
 
 
-_TOLERANT: dict[str, type[JsonbLoader | JsonLoader | TimestamptzLoader]] = {
-    "jsonb": _TolerantJsonbLoader,
+_TOLERANT: dict[str, type[JsonLoader | TimestamptzLoader]] = {
+    "jsonb": _TolerantJsonLoader,
     "json": _TolerantJsonLoader,
     "timestamptz": _TolerantTimestamptzLoader,
 }

@@ -15,20 +15,27 @@ FROM {history} WHERE id = %(id)s
 LIMIT 1
 """
 
-JOB_LIST = """
-SELECT id, queue, task, args, state, priority, run_at, retry_at, attempts, max_attempts,
-       errors, worker_id, lease_expires_at, created_at, attempted_at,
-       NULL::timestamptz AS finished_at, NULL::jsonb AS result, progress,
-       cancel_requested_at
-FROM {jobs}
+# The filters of the CLI's listings (JOB_LIST, JOB_SELECT_IDS); a NULL one is left out.
+_JOB_FILTERS = """
 WHERE (%(state)s::text IS NULL OR state = %(state)s)
   AND (%(queue)s::text IS NULL OR queue = %(queue)s)
   AND (%(task)s::text IS NULL OR task = %(task)s)
   AND (%(older_than)s::float8 IS NULL
        OR created_at < now() - %(older_than)s * interval '1 second')
-ORDER BY id
+"""
+
+JOB_LIST = (
+    """
+SELECT id, queue, task, args, state, priority, run_at, retry_at, attempts, max_attempts,
+       errors, worker_id, lease_expires_at, created_at, attempted_at,
+       NULL::timestamptz AS finished_at, NULL::jsonb AS result, progress,
+       cancel_requested_at
+FROM {jobs}"""
+    + _JOB_FILTERS
+    + """ORDER BY id
 LIMIT %(limit)s
 """
+)
 
 # A dead (or waiting) job goes back to the queue with a fresh set of attempts; its errors
 # are kept so the history of what went wrong survives the retry. A cancel request left on
@@ -104,15 +111,13 @@ RETURNING id
 """
 
 # Ids for the bulk forms of retry, cancel and delete: the same filters as JOB_LIST.
-JOB_SELECT_IDS = """
-SELECT id FROM {jobs}
-WHERE (%(state)s::text IS NULL OR state = %(state)s)
-  AND (%(queue)s::text IS NULL OR queue = %(queue)s)
-  AND (%(task)s::text IS NULL OR task = %(task)s)
-  AND (%(older_than)s::float8 IS NULL
-       OR created_at < now() - %(older_than)s * interval '1 second')
-ORDER BY id
+JOB_SELECT_IDS = (
+    """
+SELECT id FROM {jobs}"""
+    + _JOB_FILTERS
+    + """ORDER BY id
 """
+)
 
 # Pausing is checked inside the claim statement, so it takes effect for the next claim.
 # Resuming wakes the queue's workers in the usual payload format.
@@ -183,6 +188,17 @@ SERVING_WORKERS = """
     GROUP BY q
 """
 
+# The columns of LIVE_QUEUE_COUNTS as read from ``live AS l`` beside other per-queue
+# figures: a queue that only those know of (no live jobs) counts zeros, not NULLs.
+LIVE_QUEUE_COLUMNS = """
+       coalesce(l.blocked, 0) AS blocked,
+       coalesce(l.available, 0) AS available,
+       coalesce(l.scheduled, 0) AS scheduled,
+       coalesce(l.running, 0) AS running,
+       coalesce(l.retryable, 0) AS retryable,
+       coalesce(l.dead, 0) AS dead,
+       l.oldest_ready_seconds,"""
+
 # Monitoring figures per queue: LIVE_QUEUE_COUNTS with the last minute's. Failures in the
 # last minute are the error records stamped in it, on live jobs attempted
 # in that minute and on jobs finished in it.
@@ -210,14 +226,9 @@ WITH live AS (
     + SERVING_WORKERS
     + """
 )
-SELECT queue,
-       coalesce(l.blocked, 0) AS blocked,
-       coalesce(l.available, 0) AS available,
-       coalesce(l.scheduled, 0) AS scheduled,
-       coalesce(l.running, 0) AS running,
-       coalesce(l.retryable, 0) AS retryable,
-       coalesce(l.dead, 0) AS dead,
-       l.oldest_ready_seconds,
+SELECT queue,"""
+    + LIVE_QUEUE_COLUMNS
+    + """
        coalesce(m.completed_last_minute, 0) AS completed_last_minute,
        coalesce(m.failed_last_minute, 0)::bigint AS failed_last_minute,
        coalesce(s.workers, 0) AS workers

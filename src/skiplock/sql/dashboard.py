@@ -10,18 +10,19 @@ reads n rows however deep the page, where OFFSET would read and discard every ro
 it (a million on the last page of history).
 """
 
-from skiplock.sql.admin import LIVE_QUEUE_COUNTS, SERVING_WORKERS
+from skiplock.sql.admin import LIVE_QUEUE_COLUMNS, LIVE_QUEUE_COUNTS, SERVING_WORKERS
 
 
 def _filters(time_column: str) -> str:
-    """The filters shared by both tables. ``args_text`` is matched against the arguments'
-    JSON text (a LIKE pattern built, escaped, by the caller); ``error_type`` against the
+    """The WHERE clause shared by both tables. ``args_text`` is matched against the
+    arguments' JSON text (a LIKE pattern built, escaped, by the caller); ``error_type`` against the
     class name of any recorded failure; the time range against ``time_column``: when a
     live job was enqueued, when a finished one finished (the column history is
     partitioned and indexed by, so a range reads only its days). ``errors <> '[]'`` is
     implied by the error filter and written out so that the planner can use the index of
     failed history rows (0018)."""
     return """
+WHERE (%(state)s::text IS NULL OR state = %(state)s)
   AND (%(queue)s::text IS NULL OR queue = %(queue)s)
   AND (%(task)s::text IS NULL OR task = %(task)s)
   AND (%(args_text)s::text IS NULL OR args::text ILIKE %(args_text)s)
@@ -34,35 +35,28 @@ def _filters(time_column: str) -> str:
 """.replace("{time}", time_column)
 
 
+def _page(select: str, time_column: str) -> str:
+    """A page, newest first, of the rows ``select`` reads that pass the filters."""
+    return select + _filters(time_column) + "ORDER BY id DESC\nLIMIT %(limit)s\n"
+
+
 # A page of live jobs; the caller asks for one row more than it shows, to know whether
 # there is a next page.
-JOBS_LIVE_PAGE = (
+JOBS_LIVE_PAGE = _page(
     """
 SELECT id, queue, task, args, state, priority, run_at, retry_at, attempts, max_attempts,
        errors, created_at, attempted_at, NULL::timestamptz AS finished_at
-FROM {jobs}
-WHERE (%(state)s::text IS NULL OR state = %(state)s)
-"""
-    + _filters("created_at")
-    + """
-ORDER BY id DESC
-LIMIT %(limit)s
-"""
+FROM {jobs}""",
+    "created_at",
 )
 
-JOBS_HISTORY_PAGE = (
+JOBS_HISTORY_PAGE = _page(
     """
 SELECT id, queue, task, args, state, priority, NULL::timestamptz AS run_at,
        NULL::timestamptz AS retry_at, attempts, max_attempts, errors, created_at,
        attempted_at, finished_at
-FROM {history}
-WHERE (%(state)s::text IS NULL OR state = %(state)s)
-"""
-    + _filters("finished_at")
-    + """
-ORDER BY id DESC
-LIMIT %(limit)s
-"""
+FROM {history}""",
+    "finished_at",
 )
 
 # Every live job matching the filters, for "retry / cancel / delete all matching": the ids
@@ -70,12 +64,9 @@ LIMIT %(limit)s
 # statement over millions of ids; the page says when the bound was reached.
 JOB_IDS_MATCHING = (
     """
-SELECT id FROM {jobs}
-WHERE (%(state)s::text IS NULL OR state = %(state)s)
-"""
+SELECT id FROM {jobs}"""
     + _filters("created_at")
-    + """
-ORDER BY id
+    + """ORDER BY id
 LIMIT %(limit)s
 """
 )
@@ -137,14 +128,9 @@ WITH live AS (
     + SERVING_WORKERS
     + """
 )
-SELECT queue,
-       coalesce(l.blocked, 0) AS blocked,
-       coalesce(l.available, 0) AS available,
-       coalesce(l.scheduled, 0) AS scheduled,
-       coalesce(l.running, 0) AS running,
-       coalesce(l.retryable, 0) AS retryable,
-       coalesce(l.dead, 0) AS dead,
-       l.oldest_ready_seconds,
+SELECT queue,"""
+    + LIVE_QUEUE_COLUMNS
+    + """
        coalesce(s.workers, 0) AS workers
 FROM live AS l
 FULL JOIN serving AS s USING (queue)

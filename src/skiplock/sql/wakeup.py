@@ -61,6 +61,27 @@ SENTINEL_HAND_OVER = (
     "pg_notify(%(channel)s, %(queue)s || E'\\t32767\\t' || extract(epoch FROM now()))" + _KEYS
 )
 
+
+def _late_part(after: str) -> str:
+    """A part of JOB_LATE_COMMITS: per row of ``a``, at most ``limit`` of its queue's
+    available jobs in jobs_enqueued's order, from where ``after`` starts them."""
+    return (
+        """
+    CROSS JOIN LATERAL (
+        SELECT j.enqueued_xid, j.id, j.priority, j.run_at,
+               j.run_at <= now() AND j.task <> ALL(%(exclude_tasks)s::text[]) AS ready
+        FROM {jobs} AS j
+        WHERE j.queue = a.queue
+          AND j.state = 'available'
+          AND j.enqueued_xid IS NOT NULL"""
+        + after
+        + """
+        ORDER BY j.enqueued_xid, j.id
+        LIMIT %(limit)s
+    ) AS r"""
+    )
+
+
 # Jobs that became visible since the previous probe, behind a busy worker's claim cursor or
 # not: those inserted by a transaction that was in progress at the previous probe's snapshot
 # (its xip list, "pending") or began after it (xid at or above its xmax, "recent"). Read
@@ -72,40 +93,25 @@ SENTINEL_HAND_OVER = (
 # first ready job of each part (the claim order). Then this statement's own snapshot
 # (`snapshot`: its xmax; `xip`: one row per transaction in progress) for the next probe.
 # The first call of a worker passes no queue: its claims start from the beginning anyway.
-JOB_LATE_COMMITS = """
+JOB_LATE_COMMITS = (
+    """
 WITH recent AS (
     SELECT a.queue, r.*
     FROM unnest(%(queues)s::text[], %(xmax)s::xid8[], %(after_id)s::bigint[])
-         AS a(queue, xmax, after_id)
-    CROSS JOIN LATERAL (
-        SELECT j.enqueued_xid, j.id, j.priority, j.run_at,
-               j.run_at <= now() AND j.task <> ALL(%(exclude_tasks)s::text[]) AS ready
-        FROM {jobs} AS j
-        WHERE j.queue = a.queue
-          AND j.state = 'available'
-          AND j.enqueued_xid IS NOT NULL
-          AND (j.enqueued_xid, j.id) > (a.xmax, a.after_id)
-        ORDER BY j.enqueued_xid, j.id
-        LIMIT %(limit)s
-    ) AS r
+         AS a(queue, xmax, after_id)"""
+    + _late_part("""
+          AND (j.enqueued_xid, j.id) > (a.xmax, a.after_id)""")
+    + """
 ), pending AS (
     SELECT a.queue, r.*
     FROM unnest(%(p_queues)s::text[], %(p_xids)s::xid8[], %(p_after_id)s::bigint[])
-         AS a(queue, xid, after_id)
-    CROSS JOIN LATERAL (
-        SELECT j.enqueued_xid, j.id, j.priority, j.run_at,
-               j.run_at <= now() AND j.task <> ALL(%(exclude_tasks)s::text[]) AS ready
-        FROM {jobs} AS j
-        WHERE j.queue = a.queue
-          AND j.state = 'available'
-          AND j.enqueued_xid IS NOT NULL
+         AS a(queue, xid, after_id)"""
+    + _late_part("""
           -- The transaction's jobs after after_id, in the index's order: written as two
           -- row comparisons, not an equality, so that no other index can serve them.
           AND (j.enqueued_xid, j.id) > (a.xid, a.after_id)
-          AND (j.enqueued_xid, j.id) <= (a.xid, 9223372036854775807)
-        ORDER BY j.enqueued_xid, j.id
-        LIMIT %(limit)s
-    ) AS r
+          AND (j.enqueued_xid, j.id) <= (a.xid, 9223372036854775807)""")
+    + """
 ), parts AS (
     SELECT 'recent' AS part, * FROM recent
     UNION ALL
@@ -126,3 +132,4 @@ UNION ALL
 SELECT 'xip', NULL, x::text, NULL, NULL, NULL, NULL, NULL
 FROM pg_snapshot_xip(pg_current_snapshot()) AS x
 """
+)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar, Generic, TypeVar
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool
@@ -24,22 +24,29 @@ from skiplock.worker.supervisor import PeriodicService, describe
 log = logging.getLogger("skiplock.worker")
 
 Pool = AsyncConnectionPool[Any]
+Source = TypeVar("Source")
 
 
-class CursorWatch(PeriodicService):
+class CursorWatch(PeriodicService, Generic[Source]):
     """A pass every ``every`` seconds over ``cursors`` (tasks in ``excluded`` are not
-    this kind of claim's); ``found`` rewinds a cursor and wakes its queue's producers."""
+    this kind of claim's) that reads ``statement`` (rendered for ``schema``) through
+    ``source``; ``found`` rewinds a cursor and wakes its queue's producers."""
 
     log = log
+    statement: ClassVar[str]
 
     def __init__(
         self,
+        source: Source,
+        schema: str,
         cursors: dict[str, ClaimCursor],
         excluded: list[str],
         *,
         every: float,
         on_found: Callable[[str], None],
     ) -> None:
+        self._source = source
+        self._statement = render(self.statement, schema)
         self._cursors = cursors
         self._excluded = excluded
         self._every = every
@@ -50,26 +57,13 @@ class CursorWatch(PeriodicService):
         self._on_found(queue)
 
 
-class CursorProbe(CursorWatch):
+class CursorProbe(CursorWatch[Pool]):
     """Every ``every`` seconds, look behind each queue's claim cursor for a ready job no
     notification announced, and rewind to it (off the claim path: see cursor.py)."""
 
     name = "probe"
     log = log
-
-    def __init__(
-        self,
-        pool: Pool,
-        schema: str,
-        cursors: dict[str, ClaimCursor],
-        excluded: list[str],
-        *,
-        every: float,
-        on_found: Callable[[str], None],
-    ) -> None:
-        super().__init__(cursors, excluded, every=every, on_found=on_found)
-        self._pool = pool
-        self._behind = render(claim.JOB_BEHIND_CURSOR, schema)
+    statement = claim.JOB_BEHIND_CURSOR
 
     async def pause(self) -> None:
         await asyncio.sleep(self._every)
@@ -84,9 +78,9 @@ class CursorProbe(CursorWatch):
             if position is None:
                 continue
             try:
-                async with self._pool.connection() as conn:
+                async with self._source.connection() as conn:
                     cur = await conn.execute(
-                        self._behind,
+                        self._statement,
                         {
                             "queue": queue,
                             "exclude_tasks": self._excluded,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import psycopg
 
 from skiplock.config import notify_channel
-from skiplock.cursor import ClaimCursor, LateReads
+from skiplock.cursor import LateReads
 from skiplock.sql import render, wakeup
 from skiplock.worker.cursors import CursorWatch
 
@@ -221,43 +222,34 @@ class WakeupSession:
         self.armed.clear()
 
 
-class LateCommits(CursorWatch):
+class LateCommits(CursorWatch[WakeupSession]):
     """Every ``every`` seconds, find jobs that committed behind a busy queue's claim
     cursor and rewind it to them (sql/wakeup.py, JOB_LATE_COMMITS). A queue whose inserts
     notify (a sentinel waits on it) is left out: its notifications rewind the cursor."""
 
     name = "late commits"
     log = log
+    statement = wakeup.JOB_LATE_COMMITS
+    _pinged = float("-inf")
 
-    def __init__(
-        self,
-        session: WakeupSession,
-        schema: str,
-        cursors: dict[str, ClaimCursor],
-        excluded: list[str],
-        *,
-        every: float,
-        on_found: Callable[[str], None],
-    ) -> None:
-        super().__init__(cursors, excluded, every=every, on_found=on_found)
-        self._session = session
-        self._statement = render(wakeup.JOB_LATE_COMMITS, schema)
-        self.reads = LateReads()
-        self._pinged = float("-inf")
+    @functools.cached_property
+    def reads(self) -> LateReads:
+        """Where each queue's next read resumes."""
+        return LateReads()
 
     async def pause(self) -> None:
         if not self.reads.cut_short:
             await asyncio.sleep(self._every)
 
     async def run_once(self) -> None:
-        queues = [q for q in self._cursors if not self._session.notified(q)]
+        queues = [q for q in self._cursors if not self._source.notified(q)]
         if not queues:
             now = asyncio.get_running_loop().time()
             if now - self._pinged >= PING_SECONDS:
                 self._pinged = now
-                await self._session.ping()
+                await self._source.ping()
             return
-        rows = await self._session.read_late(
+        rows = await self._source.read_late(
             self._statement, self.reads.params(queues, self._excluded)
         )
         for queue, position in self.reads.read(queues, rows).items():
