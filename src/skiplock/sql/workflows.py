@@ -1,0 +1,122 @@
+"""Workflows (migration 0022, decision 024): enqueueing one, reading a step's parents'
+results, and the operator's reads. Release is not here: the trigger of the statement
+that ends a step's last parent does it (workflow_steps_end in 0022)."""
+
+# A whole workflow in one statement, in the caller's transaction: its row, its steps'
+# jobs, and the steps' rows with the edges turned into job ids. The jobs come from
+# parallel arrays, one element per step, sorted by their ordinality: the identity
+# default is evaluated on the sorted rows, so the ids ascend in step order (other
+# sessions' ids may fall in between, as for bulk enqueue's COPY) and row_number() over
+# them gives each id its step back. Steps with parents wait as 'waiting'; the others are
+# written as any enqueue writes them. %(edge_parents)s and %(edge_children)s are step
+# numbers (from 1), one pair per edge. The insert trigger wakes workers for the roots.
+# Every join is by hash on the step number: nothing here walks the edges once per step.
+WORKFLOW_INSERT = """
+WITH workflow AS (
+    INSERT INTO {workflows} (name, options, steps, steps_left)
+    VALUES (%(name)s, %(options)s::jsonb, %(steps)s, %(steps)s)
+    RETURNING id
+), inserted AS (
+    INSERT INTO {jobs} (queue, task, args, priority, run_at, state, max_attempts,
+                        ordering_key, key_limit, key_rate, key_period, workflow_id)
+    SELECT u.q, u.t, u.a::jsonb, u.p, l.due,
+           CASE WHEN u.w > 0 THEN 'waiting'
+                WHEN u.ok IS NOT NULL THEN 'blocked'
+                WHEN l.due > now() THEN 'scheduled' ELSE 'available' END,
+           u.m, u.ok, u.kl, u.kr, u.kp, (SELECT id FROM workflow)
+    FROM unnest(%(queues)s::text[], %(tasks)s::text[], %(args)s::text[],
+                %(priorities)s::smallint[], %(run_ats)s::timestamptz[], %(delays)s::float8[],
+                %(max_attempts)s::int[], %(ordering_keys)s::text[], %(key_limits)s::smallint[],
+                %(key_rates)s::int[], %(key_periods)s::float8[], %(pending)s::int[])
+         WITH ORDINALITY AS u(q, t, a, p, r, d, m, ok, kl, kr, kp, w, n),
+         LATERAL (SELECT COALESCE(u.r, now() + u.d * interval '1 second') AS due) AS l
+    ORDER BY u.n
+    RETURNING id
+), numbered AS (
+    SELECT id, row_number() OVER (ORDER BY id) AS n FROM inserted
+), edges AS (
+    SELECT parent.id AS parent, child.id AS child
+    FROM unnest(%(edge_parents)s::int[], %(edge_children)s::int[]) AS e(p, c)
+    JOIN numbered AS parent ON parent.n = e.p
+    JOIN numbered AS child ON child.n = e.c
+), parents_of AS (
+    SELECT child AS id, array_agg(parent ORDER BY parent) AS ids FROM edges GROUP BY child
+), children_of AS (
+    SELECT parent AS id, array_agg(child ORDER BY child) AS ids FROM edges GROUP BY parent
+), steps AS (
+    INSERT INTO {workflow_steps} (job_id, workflow_id, name, parents, children, pending,
+                                  run_anyway, key_limit, key_rate, key_period)
+    SELECT s.id, (SELECT id FROM workflow), u.name, coalesce(po.ids, '{{}}'),
+           coalesce(co.ids, '{{}}'), u.w, u.anyway, u.kl, u.kr, u.kp
+    FROM numbered AS s
+    JOIN unnest(%(names)s::text[], %(pending)s::int[], %(run_anyway)s::boolean[],
+                %(key_limits)s::smallint[], %(key_rates)s::int[], %(key_periods)s::float8[])
+         WITH ORDINALITY AS u(name, w, anyway, kl, kr, kp, n) ON u.n = s.n
+    LEFT JOIN parents_of AS po ON po.id = s.id
+    LEFT JOIN children_of AS co ON co.id = s.id
+    RETURNING job_id
+)
+SELECT (SELECT id FROM workflow),
+       (SELECT array_agg(id ORDER BY n) FROM numbered),
+       (SELECT count(*) FROM steps)
+"""
+
+# A step's parents, by name, with how each ended: the result from history for a
+# completed one, the last error for one that failed (dead: still in jobs; cancelled: in
+# history). A parent still live (a step that runs anyway never waits for that: only
+# asked about out of turn) comes back with its state.
+STEP_PARENT_RESULTS = """
+SELECT p.name,
+       coalesce(h.state, j.state) AS state,
+       h.result,
+       coalesce(h.errors, j.errors) -> -1 AS last_error
+FROM {workflow_steps} AS s
+CROSS JOIN LATERAL unnest(s.parents) AS parent(id)
+JOIN {workflow_steps} AS p ON p.job_id = parent.id
+LEFT JOIN LATERAL (SELECT x.state, x.result, x.errors FROM {history} AS x
+                   WHERE x.id = parent.id LIMIT 1) AS h ON true
+LEFT JOIN {jobs} AS j ON j.id = parent.id
+WHERE s.job_id = %(id)s
+ORDER BY p.name
+"""
+
+WORKFLOW_GET = """
+SELECT id, name, state, options, steps, steps_left, steps_failed, created_at, finished_at
+FROM {workflows} WHERE id = %(id)s
+"""
+
+WORKFLOW_LIST = """
+SELECT id, name, state, options, steps, steps_left, steps_failed, created_at, finished_at
+FROM {workflows}
+WHERE (%(state)s::text IS NULL OR state = %(state)s)
+ORDER BY created_at DESC, id DESC
+LIMIT %(limit)s
+"""
+
+# Each step of a workflow with its job's state: live, or from history.
+WORKFLOW_STEPS = """
+SELECT s.job_id, s.name, s.parents, s.pending, s.run_anyway, s.outcome,
+       coalesce(j.state, h.state) AS state, coalesce(j.task, h.task) AS task,
+       coalesce(j.attempts, h.attempts) AS attempts, h.finished_at
+FROM {workflow_steps} AS s
+LEFT JOIN {jobs} AS j ON j.id = s.job_id
+LEFT JOIN LATERAL (SELECT x.state, x.task, x.attempts, x.finished_at FROM {history} AS x
+                   WHERE x.id = s.job_id LIMIT 1) AS h ON j.id IS NULL
+WHERE s.workflow_id = %(id)s
+ORDER BY s.job_id
+"""
+
+# Cancelling a workflow: its waiting steps (and those not yet started) go to history as
+# cancelled (the DELETE's trigger counts them as ended), its running ones are asked to
+# stop as `jobs cancel` asks, and the workflow is marked cancelled first, so that the
+# steps ended here leave it so.
+WORKFLOW_CANCEL = """
+UPDATE {workflows}
+SET state = 'cancelled', finished_at = coalesce(finished_at, now())
+WHERE id = %(id)s AND state = 'running'
+RETURNING id
+"""
+
+WORKFLOW_LIVE_STEPS = """
+SELECT id FROM {jobs} WHERE workflow_id = %(id)s ORDER BY id
+"""
