@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -10,6 +11,7 @@ import psycopg
 import pytest
 
 import skiplock
+from conftest import wait_until
 from skiplock.sql import render
 from workflows.conftest import Calls, Sem, StartWorkers
 from workflows.helpers import step_states, wait_for_workflow, workflow_state
@@ -122,8 +124,6 @@ def test_two_parents_ending_in_concurrent_transactions_release_the_child_once(
         thread = threading.Thread(target=end_c)
         thread.start()
         pid = second.info.backend_pid
-        from conftest import wait_until
-
         wait_until(lambda: sem.waiting_on_lock(pid), 10, "the second ender to wait")
         assert sem.state_of(ref.steps["d"]) == "waiting"
         first.commit()
@@ -153,8 +153,6 @@ def test_rolling_back_the_enqueue_leaves_nothing(sem: Sem) -> None:
 
 
 def test_async_enqueue_and_async_parent_results(sem: Sem, workers: StartWorkers) -> None:
-    import asyncio
-
     @sem.app.task(name="first")
     async def first() -> int:
         return 41
