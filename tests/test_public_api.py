@@ -81,6 +81,7 @@ def test_errors_share_one_base() -> None:
 
 def test_job_states_are_one_vocabulary() -> None:
     assert {state.value for state in skiplock.JobState} == {
+        "waiting",
         "blocked",
         "scheduled",
         "available",

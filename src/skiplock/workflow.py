@@ -105,6 +105,7 @@ class Workflow:
         self._by_name: dict[str, int] = {}
         # A step that stands for a copied workflow's last steps: its index -> theirs.
         self._groups: dict[int, tuple[int, ...]] = {}
+        self._numbers: dict[str, int] = {}
         self._enqueued = False
 
     def __repr__(self) -> str:
@@ -180,9 +181,12 @@ class Workflow:
         task = given or task
         if task not in self._by_name:
             return task
-        number = 2
+        # Numbered from 2, remembering where each name got to: a chain of one task
+        # is not quadratic in its length.
+        number = self._numbers.get(task, 2)
         while f"{task}#{number}" in self._by_name:
             number += 1
+        self._numbers[task] = number + 1
         return f"{task}#{number}"
 
     def _parents(self, after: Iterable[Parent]) -> tuple[int, ...]:
@@ -322,12 +326,16 @@ def check_acyclic(parents: Sequence[Sequence[int]]) -> None:
     ``parents[i]`` are step i's parents' indexes. Steps added through ``add`` can only
     name earlier steps, so this guards what else might build the lists."""
     count = len(parents)
+    ordered = True
     for index, own in enumerate(parents):
         for parent in own:
             if not 0 <= parent < count:
                 raise ConfigurationError(f"step {index} names an unknown parent {parent}")
             if parent == index:
                 raise ConfigurationError(f"step {index} depends on itself")
+            ordered = ordered and parent < index
+    if ordered:
+        return  # every step after its parents (as add builds them): no cycle
     # Kahn's algorithm: every step whose parents are all placed is placed next.
     children: list[list[int]] = [[] for _ in range(count)]
     waiting = [len(set(own)) for own in parents]
@@ -349,36 +357,43 @@ def check_acyclic(parents: Sequence[Sequence[int]]) -> None:
 
 
 def workflow_params(name: str | None, nodes: Sequence[_Node], run_anyway: bool) -> dict[str, Any]:
-    """WORKFLOW_INSERT's parameters: one array element per step, one pair per edge."""
-    edge_parents: list[int] = []
-    edge_children: list[int] = []
+    """WORKFLOW_INSERT's parameters: one array element per step; parents and children
+    as step numbers (from 1) in text, "1,2,3"."""
+    children: list[list[str]] = [[] for _ in nodes]
     for index, node in enumerate(nodes):
+        own = str(index + 1)
         for parent in node.parents:
-            edge_parents.append(parent + 1)
-            edge_children.append(index + 1)
-    specs = [node.spec for node in nodes]
+            children[parent].append(own)
+    steps = []
+    for index, node in enumerate(nodes):
+        spec = node.spec
+        rate, period = spec.key_rate or (None, None)
+        steps.append(
+            {
+                "q": spec.queue,
+                "t": spec.task,
+                "a": spec.args_json,
+                "p": spec.priority,
+                "r": spec.run_at.isoformat() if spec.run_at is not None else None,
+                "d": spec.delay,
+                "m": spec.max_attempts,
+                "ok": spec.ordering_key,
+                "kl": spec.key_limit,
+                "kr": rate,
+                "kp": period,
+                "w": len(node.parents),
+                "name": node.name,
+                "anyway": run_anyway if node.run_anyway is None else node.run_anyway,
+                "up": ",".join([str(p + 1) for p in node.parents]),
+                "down": ",".join(children[index]),
+                "n": index + 1,
+            }
+        )
     return {
         "name": name,
         "options": json.dumps({"run_anyway": run_anyway}),
         "steps": len(nodes),
-        "queues": [s.queue for s in specs],
-        "tasks": [s.task for s in specs],
-        "args": [s.args_json for s in specs],
-        "priorities": [s.priority for s in specs],
-        "run_ats": [s.run_at for s in specs],
-        "delays": [s.delay for s in specs],
-        "max_attempts": [s.max_attempts for s in specs],
-        "ordering_keys": [s.ordering_key for s in specs],
-        "key_limits": [s.key_limit for s in specs],
-        "key_rates": [s.key_rate[0] if s.key_rate else None for s in specs],
-        "key_periods": [s.key_rate[1] if s.key_rate else None for s in specs],
-        "pending": [len(node.parents) for node in nodes],
-        "names": [node.name for node in nodes],
-        "run_anyway": [
-            run_anyway if node.run_anyway is None else node.run_anyway for node in nodes
-        ],
-        "edge_parents": edge_parents,
-        "edge_children": edge_children,
+        "given": json.dumps(steps),
     }
 
 

@@ -3,19 +3,28 @@ results, and the operator's reads. Release is not here: the trigger of the state
 that ends a step's last parent does it (workflow_steps_end in 0022)."""
 
 # A whole workflow in one statement, in the caller's transaction: its row, its steps'
-# jobs, and the steps' rows with the edges turned into job ids. The jobs come from
-# parallel arrays, one element per step, sorted by their ordinality: the identity
-# default is evaluated on the sorted rows, so the ids ascend in step order (other
-# sessions' ids may fall in between, as for bulk enqueue's COPY) and row_number() over
-# them gives each id its step back. Steps with parents wait as 'waiting'; the others are
-# written as any enqueue writes them. %(edge_parents)s and %(edge_children)s are step
-# numbers (from 1), one pair per edge. The insert trigger wakes workers for the roots.
-# Every join is by hash on the step number: nothing here walks the edges once per step.
+# jobs, and the steps' rows with their parents and children as job ids. The steps come
+# as one JSON array of objects, one per step and numbered (parsed once, by the server, faster than
+# psycopg formats a dozen arrays of ten thousand elements). The jobs are inserted sorted
+# by the steps' ordinality: the identity default is evaluated on the sorted rows, so the
+# ids ascend in step order (other sessions' ids may fall in between, as for bulk
+# enqueue's COPY), and the ids in order are one array that each step's parents and
+# children (step numbers from 1, as text: "1,2,3") index into. No join between the
+# steps: planned as joins, their estimates (thousands times thousands) made the planner
+# compile the statement (JIT) for seconds. Steps with parents wait as 'waiting'; the
+# others are written as any enqueue writes them. The insert trigger wakes workers for
+# the roots.
 WORKFLOW_INSERT = """
 WITH workflow AS (
     INSERT INTO {workflows} (name, options, steps, steps_left)
     VALUES (%(name)s, %(options)s::jsonb, %(steps)s, %(steps)s)
     RETURNING id
+), given AS MATERIALIZED (
+    SELECT *
+    FROM json_to_recordset(%(given)s::json)
+         AS u(q text, t text, a text, p smallint, r timestamptz, d float8,
+                              m int, ok text, kl smallint, kr int, kp float8, w int,
+                              name text, anyway boolean, up text, down text, n bigint)
 ), inserted AS (
     INSERT INTO {jobs} (queue, task, args, priority, run_at, state, max_attempts,
                         ordering_key, key_limit, key_rate, key_period, workflow_id)
@@ -24,41 +33,23 @@ WITH workflow AS (
                 WHEN u.ok IS NOT NULL THEN 'blocked'
                 WHEN l.due > now() THEN 'scheduled' ELSE 'available' END,
            u.m, u.ok, u.kl, u.kr, u.kp, (SELECT id FROM workflow)
-    FROM unnest(%(queues)s::text[], %(tasks)s::text[], %(args)s::text[],
-                %(priorities)s::smallint[], %(run_ats)s::timestamptz[], %(delays)s::float8[],
-                %(max_attempts)s::int[], %(ordering_keys)s::text[], %(key_limits)s::smallint[],
-                %(key_rates)s::int[], %(key_periods)s::float8[], %(pending)s::int[])
-         WITH ORDINALITY AS u(q, t, a, p, r, d, m, ok, kl, kr, kp, w, n),
+    FROM given AS u,
          LATERAL (SELECT COALESCE(u.r, now() + u.d * interval '1 second') AS due) AS l
     ORDER BY u.n
     RETURNING id
-), numbered AS (
-    SELECT id, row_number() OVER (ORDER BY id) AS n FROM inserted
-), edges AS (
-    SELECT parent.id AS parent, child.id AS child
-    FROM unnest(%(edge_parents)s::int[], %(edge_children)s::int[]) AS e(p, c)
-    JOIN numbered AS parent ON parent.n = e.p
-    JOIN numbered AS child ON child.n = e.c
-), parents_of AS (
-    SELECT child AS id, array_agg(parent ORDER BY parent) AS ids FROM edges GROUP BY child
-), children_of AS (
-    SELECT parent AS id, array_agg(child ORDER BY child) AS ids FROM edges GROUP BY parent
+), ids AS (
+    SELECT array_agg(id ORDER BY id) AS ids FROM inserted
 ), steps AS (
     INSERT INTO {workflow_steps} (job_id, workflow_id, name, parents, children, pending,
                                   run_anyway, key_limit, key_rate, key_period)
-    SELECT s.id, (SELECT id FROM workflow), u.name, coalesce(po.ids, '{{}}'),
-           coalesce(co.ids, '{{}}'), u.w, u.anyway, u.kl, u.kr, u.kp
-    FROM numbered AS s
-    JOIN unnest(%(names)s::text[], %(pending)s::int[], %(run_anyway)s::boolean[],
-                %(key_limits)s::smallint[], %(key_rates)s::int[], %(key_periods)s::float8[])
-         WITH ORDINALITY AS u(name, w, anyway, kl, kr, kp, n) ON u.n = s.n
-    LEFT JOIN parents_of AS po ON po.id = s.id
-    LEFT JOIN children_of AS co ON co.id = s.id
+    SELECT ids.ids[u.n], (SELECT id FROM workflow), u.name,
+           ARRAY(SELECT ids.ids[x::int] FROM unnest(string_to_array(u.up, ',')) AS x),
+           ARRAY(SELECT ids.ids[x::int] FROM unnest(string_to_array(u.down, ',')) AS x),
+           u.w, u.anyway, u.kl, u.kr, u.kp
+    FROM ids, given AS u
     RETURNING job_id
 )
-SELECT (SELECT id FROM workflow),
-       (SELECT array_agg(id ORDER BY n) FROM numbered),
-       (SELECT count(*) FROM steps)
+SELECT (SELECT id FROM workflow), (SELECT ids FROM ids), (SELECT count(*) FROM steps)
 """
 
 # A step's parents, by name, with how each ended: the result from history for a
