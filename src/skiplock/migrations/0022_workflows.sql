@@ -7,9 +7,11 @@
 -- keyed step) blocked for admission. Nothing polls; no leader pass is on the path.
 --
 -- Safe to run while workers drain (as 0011): one ACCESS EXCLUSIVE lock on jobs, taken
--- within migrate's lock_timeout or retried, held for the check of the state constraint
--- below over the live rows (a few tenths of a second per million jobs). The new column
--- is nullable without a default: adding it rewrites nothing.
+-- within migrate's lock_timeout or retried, and held for no scan: the new column is
+-- nullable without a default (adding it rewrites nothing), and the new state constraint
+-- is added NOT VALID (checking a million live rows under the lock took over a second).
+-- It holds for them all the same: it allows every state the constraint it replaces
+-- allowed, and no existing row has a workflow. Every row written from now on is checked.
 LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE;
 
 -- A safe search_path, fixed on the functions below (SET ... FROM CURRENT), as in 0015.
@@ -78,11 +80,11 @@ CREATE UNIQUE INDEX workflow_steps_name ON workflow_steps (workflow_id, name);
 ALTER TABLE jobs ADD COLUMN workflow_id bigint;
 
 ALTER TABLE jobs DROP CONSTRAINT jobs_state_valid;
--- One constraint, so the live rows are checked in one scan: a waiting job is a step.
+-- A waiting job is a step.
 ALTER TABLE jobs ADD CONSTRAINT jobs_state_valid
     CHECK (state IN ('waiting', 'blocked', 'scheduled', 'available', 'running', 'retryable',
                      'dead')
-           AND (state <> 'waiting' OR workflow_id IS NOT NULL));
+           AND (state <> 'waiting' OR workflow_id IS NOT NULL)) NOT VALID;
 
 -- Steps ended (rows of jobs with a workflow): count them, cancel what depends on a failed
 -- one, release the children whose last pending parent this was, and end the workflows
@@ -381,3 +383,29 @@ CREATE TRIGGER jobs_step_retried
     FOR EACH ROW
     WHEN (NEW.workflow_id IS NOT NULL AND OLD.state = 'dead' AND NEW.state <> 'dead')
     EXECUTE FUNCTION workflow_step_revived();
+
+-- Only the worker's and the operator's roles end jobs (skiplock/grants.py): the functions
+-- that write with the owner's rights are theirs, not PUBLIC's.
+REVOKE EXECUTE ON FUNCTION workflow_steps_end(bigint[], text[]) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION workflow_step_retried(bigint) FROM PUBLIC;
+
+-- A role that may insert jobs (the enqueue columns of 0019) may also name their
+-- workflow: enqueueing a workflow writes it (grants.ENQUEUE_COLUMNS). The workflow
+-- tables themselves are granted by `skiplock grant`, as any new table.
+DO $$
+DECLARE
+    grantee_name text;
+BEGIN
+    FOR grantee_name IN
+        SELECT DISTINCT CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(r.rolname) END
+        FROM pg_attribute AS att
+        CROSS JOIN LATERAL aclexplode(att.attacl) AS a
+        LEFT JOIN pg_roles AS r ON r.oid = a.grantee
+        WHERE att.attrelid = 'jobs'::regclass
+          AND att.attname = 'queue'
+          AND a.privilege_type = 'INSERT'
+    LOOP
+        EXECUTE format('GRANT INSERT (workflow_id) ON TABLE jobs TO %s', grantee_name);
+    END LOOP;
+END
+$$;
