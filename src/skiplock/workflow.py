@@ -36,14 +36,26 @@ if TYPE_CHECKING:
 MAX_STEPS = 100_000
 MAX_STEP_NAME = MAX_TASK_NAME
 
-# Every App made in this process, so that a workflow built with the shorthands (which know
-# no App) and parent_results() (which runs inside a handler) find the App of their tasks.
-_apps: weakref.WeakSet[App] = weakref.WeakSet()
+# Every App made in this process, oldest first, so that a workflow built with the
+# shorthands (which know no App) and parent_results() (which runs inside a handler) find
+# the App of their tasks.
+_apps: list[weakref.ref[App]] = []
 
 
 def register_app(app: App) -> None:
     """Called by App.__init__."""
-    _apps.add(app)
+    _apps[:] = [ref for ref in _apps if ref() is not None]
+    _apps.append(weakref.ref(app))
+
+
+def _apps_with(tasks: set[str]) -> list[App]:
+    """The live Apps that have every one of ``tasks``, newest first."""
+    found = []
+    for ref in reversed(_apps):
+        app = ref()
+        if app is not None and tasks <= app.tasks.keys():
+            found.append(app)
+    return found
 
 
 @dataclass(frozen=True, eq=False)
@@ -267,8 +279,7 @@ class Workflow:
     def _owner(self) -> App:
         if self.app is not None:
             return self.app
-        tasks = {node.spec.task for node in self._nodes}
-        apps = [app for app in list(_apps) if tasks <= app.tasks.keys()]
+        apps = _apps_with({node.spec.task for node in self._nodes})
         if len(apps) != 1:
             raise ConfigurationError(
                 "cannot tell which App this workflow's tasks belong to; build it with "
@@ -443,11 +454,13 @@ def _results(rows: Sequence[Sequence[Any]]) -> dict[str, Any]:
 
 
 def _running_app() -> tuple[App, int, str]:
+    """The App of the running step: the newest with its task (a process usually has one;
+    with several, pass a connection to parent_results)."""
     job = current_job()
-    for app in list(_apps):
-        if job.task in app.tasks:
-            return app, job.id, job.queue
-    raise RuntimeError(f"no App in this process has task {job.task!r}")  # pragma: no cover
+    apps = _apps_with({job.task})
+    if not apps:  # pragma: no cover - the worker runs only tasks of an App
+        raise RuntimeError(f"no App in this process has task {job.task!r}")
+    return apps[0], job.id, job.queue
 
 
 def parent_results(conn: psycopg.Connection[Any] | None = None) -> dict[str, Any]:

@@ -31,7 +31,7 @@ def test_a_chain_runs_in_order_and_each_step_sees_its_parent(
         seen[label] = skiplock.parent_results()
         return label.upper()
 
-    wf = skiplock.chain(step.job(label="a"), step.job(label="b"), step.job(label="c"))
+    wf = skiplock.chain(step.job(label="a"), step.job(label="b"), step.job(label="c"), app=sem.app)
     with sem.connect(autocommit=False) as conn:
         ref = wf.enqueue(conn)
         conn.commit()
@@ -164,7 +164,7 @@ def test_async_enqueue_and_async_parent_results(sem: Sem, workers: StartWorkers)
 
     async def enqueue() -> skiplock.WorkflowRef:
         async with await psycopg.AsyncConnection.connect(sem.url) as conn:
-            ref = await skiplock.chain(first.job(), second.job()).enqueue_async(conn)
+            ref = await skiplock.chain(first.job(), second.job(), app=sem.app).enqueue_async(conn)
             await conn.commit()
             return ref
 
@@ -190,6 +190,7 @@ def test_groups_chords_and_chains_compose(sem: Sem, workers: StartWorkers) -> No
         s.job(label="a"),
         skiplock.group(s.job(label="b"), s.job(label="c")),
         skiplock.chord(skiplock.group(s.job(label="d"), s.job(label="e")), join.job()),
+        app=sem.app,
     )
     with sem.connect(autocommit=False) as conn:
         ref = wf.enqueue(conn)

@@ -41,7 +41,9 @@ def test_transactional_steps_release_their_children_when_their_batch_commits(
         ).fetchall()
         return {"rows": [r[0] for r in rows], "parents": skiplock.parent_results(conn)}
 
-    wf = skiplock.chord(skiplock.group(write.job(label="x"), write.job(label="y")), read.job())
+    wf = skiplock.chord(
+        skiplock.group(write.job(label="x"), write.job(label="y")), read.job(), app=sem.app
+    )
     with sem.connect(autocommit=False) as conn:
         ref = wf.enqueue(conn)
         conn.commit()
@@ -63,7 +65,7 @@ def test_a_dead_transactional_step_cancels_its_child(sem: Sem, workers: StartWor
         raise AssertionError("a child of a dead step ran")
 
     with sem.connect(autocommit=False) as conn:
-        ref = skiplock.chain(fails.job(), never.job()).enqueue(conn)
+        ref = skiplock.chain(fails.job(), never.job(), app=sem.app).enqueue(conn)
         conn.commit()
     workers(1)
     wait_for_workflow(sem, ref.id, "failed")
