@@ -2,8 +2,29 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import skiplock
 from conftest import wait_until
 from semantics.conftest import Sem
+
+
+def enqueue(sem: Sem, workflow: skiplock.Workflow) -> skiplock.WorkflowRef:
+    """Enqueue in a transaction of its own, committed."""
+    with sem.connect(autocommit=False) as conn:
+        ref = workflow.enqueue(conn)
+        conn.commit()
+    return ref
+
+
+def failing_task(sem: Sem, message: str) -> skiplock.Task[Any]:
+    """A task "boom" of one attempt that always fails with ``message``."""
+
+    @sem.app.task(name="boom", max_attempts=1)
+    def boom() -> None:
+        raise ValueError(message)
+
+    return boom
 
 
 def workflow_state(sem: Sem, workflow_id: int) -> str:

@@ -11,13 +11,17 @@ import pytest
 import skiplock
 from skiplock import client
 from workflows.conftest import Calls, Sem, StartWorkers
-from workflows.helpers import step_states, wait_for_workflow, workflow_state
+from workflows.helpers import enqueue, failing_task, step_states, wait_for_workflow, workflow_state
 
 pytestmark = pytest.mark.server_version
 
 
-def _diamond_with_a_failing_branch(sem: Sem, calls: Calls, *, fail: threading.Event) -> Any:
-    """root -> (bad -> after_bad -> last_bad), (good -> after_good); join after both."""
+def _failed_diamond(
+    sem: Sem, workers: StartWorkers, calls: Calls, fail: threading.Event
+) -> skiplock.WorkflowRef:
+    """root -> (bad -> after_bad -> last_bad), (good -> after_good); join after both,
+    run by a worker until the workflow fails (bad fails while ``fail`` is set)."""
+    fail.set()
 
     @sem.app.task(name="ok", max_attempts=1)
     def ok(label: str) -> str:
@@ -39,21 +43,17 @@ def _diamond_with_a_failing_branch(sem: Sem, calls: Calls, *, fail: threading.Ev
     good = wf.add(ok.job(label="good"), name="good", after=[root])
     after_good = wf.add(ok.job(label="after_good"), name="after_good", after=[good])
     wf.add(ok.job(label="join"), name="join", after=[after_bad, after_good])
-    with sem.connect(autocommit=False) as conn:
-        ref = wf.enqueue(conn)
-        conn.commit()
+    ref = enqueue(sem, wf)
+    workers(1)
+    wait_for_workflow(sem, ref.id, "failed")
     return ref
 
 
 def test_a_dead_step_cancels_its_dependents_and_the_workflow_fails(
     sem: Sem, workers: StartWorkers
 ) -> None:
-    calls = Calls()
-    fail = threading.Event()
-    fail.set()
-    ref = _diamond_with_a_failing_branch(sem, calls, fail=fail)
-    workers(1)
-    wait_for_workflow(sem, ref.id, "failed")
+    calls, fail = Calls(), threading.Event()
+    ref = _failed_diamond(sem, workers, calls, fail)
     assert step_states(sem, ref.id) == {
         "root": "completed",
         "bad": "dead",
@@ -77,12 +77,8 @@ def test_a_dead_step_cancels_its_dependents_and_the_workflow_fails(
 
 
 def test_retrying_the_dead_step_resumes_the_workflow(sem: Sem, workers: StartWorkers) -> None:
-    calls = Calls()
-    fail = threading.Event()
-    fail.set()
-    ref = _diamond_with_a_failing_branch(sem, calls, fail=fail)
-    workers(1)
-    wait_for_workflow(sem, ref.id, "failed")
+    calls, fail = Calls(), threading.Event()
+    ref = _failed_diamond(sem, workers, calls, fail)
     fail.clear()
     with sem.connect() as conn:
         client.retry_job(conn, sem.schema, ref.steps["bad"])
@@ -100,9 +96,7 @@ def test_retrying_the_dead_step_resumes_the_workflow(sem: Sem, workers: StartWor
 
 
 def test_a_step_that_runs_anyway_sees_the_failure(sem: Sem, workers: StartWorkers) -> None:
-    @sem.app.task(name="boom", max_attempts=1)
-    def boom() -> None:
-        raise ValueError("no data")
+    boom = failing_task(sem, "no data")
 
     @sem.app.task(name="fine")
     def fine() -> int:
@@ -120,9 +114,7 @@ def test_a_step_that_runs_anyway_sees_the_failure(sem: Sem, workers: StartWorker
     a = wf.add(boom.job(), name="boom")
     b = wf.add(fine.job(), name="fine")
     wf.add(report.job(), name="report", after=[a, b], run_anyway=True)
-    with sem.connect(autocommit=False) as conn:
-        ref = wf.enqueue(conn)
-        conn.commit()
+    ref = enqueue(sem, wf)
     workers(1)
     result = ref.steps["report"].result(15)
     assert result["fine"] == 7
@@ -133,9 +125,7 @@ def test_a_step_that_runs_anyway_sees_the_failure(sem: Sem, workers: StartWorker
 
 
 def test_run_anyway_for_the_whole_workflow(sem: Sem, workers: StartWorkers) -> None:
-    @sem.app.task(name="boom", max_attempts=1)
-    def boom() -> None:
-        raise ValueError("no")
+    boom = failing_task(sem, "no")
 
     @sem.app.task(name="after")
     def after() -> str:
@@ -145,9 +135,7 @@ def test_run_anyway_for_the_whole_workflow(sem: Sem, workers: StartWorkers) -> N
     first = wf.add(boom.job())
     second = wf.add(after.job(), after=[first])
     wf.add(after.job(), after=[second])
-    with sem.connect(autocommit=False) as conn:
-        ref = wf.enqueue(conn)
-        conn.commit()
+    ref = enqueue(sem, wf)
     workers(1)
     wait_for_workflow(sem, ref.id, "failed")
     assert step_states(sem, ref.id) == {
@@ -162,9 +150,7 @@ def test_cancelling_a_waiting_step_by_hand_cancels_what_depends_on_it(sem: Sem) 
     def noop() -> None: ...
 
     wf = skiplock.chain(noop.job(), noop.job(), noop.job(), app=sem.app)
-    with sem.connect(autocommit=False) as conn:
-        ref = wf.enqueue(conn)
-        conn.commit()
+    ref = enqueue(sem, wf)
     with sem.connect() as conn:
         client.delete_job(conn, sem.schema, ref.steps["noop#2"])
     assert sem.state_of(ref.steps["noop#3"]) == "cancelled"

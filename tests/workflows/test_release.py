@@ -14,7 +14,7 @@ import skiplock
 from conftest import wait_until
 from skiplock.sql import render
 from workflows.conftest import Calls, Sem, StartWorkers
-from workflows.helpers import step_states, wait_for_workflow, workflow_state
+from workflows.helpers import enqueue, step_states, wait_for_workflow, workflow_state
 
 pytestmark = pytest.mark.server_version
 
@@ -32,9 +32,7 @@ def test_a_chain_runs_in_order_and_each_step_sees_its_parent(
         return label.upper()
 
     wf = skiplock.chain(step.job(label="a"), step.job(label="b"), step.job(label="c"), app=sem.app)
-    with sem.connect(autocommit=False) as conn:
-        ref = wf.enqueue(conn)
-        conn.commit()
+    ref = enqueue(sem, wf)
     assert list(ref.steps) == ["step", "step#2", "step#3"]
     assert [sem.state_of(i) for i in ref.steps.values()] == ["available", "waiting", "waiting"]
     workers(1)
@@ -106,9 +104,7 @@ def test_two_parents_ending_in_concurrent_transactions_release_the_child_once(
     b = wf.add(noop.job(), name="b")
     c = wf.add(noop.job(), name="c")
     wf.add(noop.job(), name="d", after=[b, c])
-    with sem.connect(autocommit=False) as conn:
-        ref = wf.enqueue(conn)
-        conn.commit()
+    ref = enqueue(sem, wf)
     with sem.connect(autocommit=False) as first, sem.connect(autocommit=False) as second:
         _complete_by_hand(first, sem.schema, ref.steps["b"])
         done = threading.Event()
@@ -192,9 +188,7 @@ def test_groups_chords_and_chains_compose(sem: Sem, workers: StartWorkers) -> No
         skiplock.chord(skiplock.group(s.job(label="d"), s.job(label="e")), join.job()),
         app=sem.app,
     )
-    with sem.connect(autocommit=False) as conn:
-        ref = wf.enqueue(conn)
-        conn.commit()
+    ref = enqueue(sem, wf)
     parents = dict(
         sem.execute(
             "SELECT s.name, ARRAY(SELECT p.name FROM {schema}.workflow_steps AS p "

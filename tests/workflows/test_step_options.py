@@ -10,7 +10,7 @@ import pytest
 
 import skiplock
 from workflows.conftest import Sem, StartWorkers
-from workflows.helpers import step_states, wait_for_workflow
+from workflows.helpers import enqueue, step_states, wait_for_workflow
 
 pytestmark = pytest.mark.server_version
 
@@ -44,9 +44,7 @@ def test_transactional_steps_release_their_children_when_their_batch_commits(
     wf = skiplock.chord(
         skiplock.group(write.job(label="x"), write.job(label="y")), read.job(), app=sem.app
     )
-    with sem.connect(autocommit=False) as conn:
-        ref = wf.enqueue(conn)
-        conn.commit()
+    ref = enqueue(sem, wf)
     workers(1)
     assert ref.steps["read"].result(15) == {
         "rows": ["x", "y"],
@@ -87,9 +85,7 @@ def test_a_keyed_step_is_released_into_its_keys_line(sem: Sem, workers: StartWor
     wf = sem.app.workflow("keyed")
     a = wf.add(first.job())
     wf.add(keyed.with_options(ordering_key="k").job(label="step"), name="step", after=[a])
-    with sem.connect(autocommit=False) as conn:
-        ref = wf.enqueue(conn)
-        conn.commit()
+    ref = enqueue(sem, wf)
     assert sem.state_of(ref.steps["step"]) == "waiting"
     workers(1)
     assert ref.steps["step"].result(20) == "step"
@@ -106,9 +102,7 @@ def test_a_delayed_step_released_early_waits_for_its_time(sem: Sem) -> None:
     wf = sem.app.workflow()
     a = wf.add(noop.job())
     wf.add(noop.with_options(delay=3600).job(), name="later", after=[a])
-    with sem.connect(autocommit=False) as conn:
-        ref = wf.enqueue(conn)
-        conn.commit()
+    ref = enqueue(sem, wf)
     sem.execute(
         "WITH done AS (DELETE FROM {jobs} WHERE id = %s RETURNING *) "
         "INSERT INTO {history} (id, queue, task, args, state, priority, attempts, "
@@ -131,9 +125,7 @@ def test_ten_thousand_steps_enqueue_in_one_statement(sem: Sem) -> None:
     middle = [wf.add(noop.job(n=n), name=f"m{n}", after=[root]) for n in range(1, 9999)]
     wf.add(noop.job(n=9999), name="last", after=middle)
     started = time.perf_counter()
-    with sem.connect(autocommit=False) as conn:
-        ref = wf.enqueue(conn)
-        conn.commit()
+    ref = enqueue(sem, wf)
     print(f"10,000 steps enqueued in {time.perf_counter() - started:.3f} s")
     assert len(ref.steps) == 10_000
     rows = sem.execute(
