@@ -296,21 +296,24 @@ class Workflow:
 
     def enqueue(self, conn: psycopg.Connection[Any]) -> WorkflowRef:
         """Write the workflow in ``conn``'s transaction, in one statement (never commits)."""
-        app = self._owner()
+        app = owner = self._owner()
         params = self._params()
-        if app.queue_databases:
-            app._route(conn, sorted({node.spec.queue for node in self._nodes}))
+        if app.queue_databases:  # every step on conn's database; refs wait there
+            owner = app._result_app(app._route(conn, self._queues()))
         row = conn.execute(render(statements.WORKFLOW_INSERT, app.schema), params).fetchone()
-        return self._enqueued_as(app, row)
+        return self._enqueued_as(owner, row)
 
     async def enqueue_async(self, conn: psycopg.AsyncConnection[Any]) -> WorkflowRef:
         """``enqueue`` on an async connection."""
-        app = self._owner()
+        app = owner = self._owner()
         params = self._params()
         if app.queue_databases:
-            await app._route_async(conn, sorted({node.spec.queue for node in self._nodes}))
+            owner = app._result_app(await app._route_async(conn, self._queues()))
         cur = await conn.execute(render(statements.WORKFLOW_INSERT, app.schema), params)
-        return self._enqueued_as(app, await cur.fetchone())
+        return self._enqueued_as(owner, await cur.fetchone())
+
+    def _queues(self) -> list[str]:
+        return sorted({node.spec.queue for node in self._nodes})
 
     def _enqueued_as(self, app: App, row: Sequence[Any] | None) -> WorkflowRef:
         assert row is not None
