@@ -143,7 +143,7 @@ FUNCTIONS: dict[str, tuple[str, frozenset[Use]]] = {
     # worker's outcome, a rescue, an operator's cancel, delete or retry). SECURITY
     # DEFINER, so not PUBLIC's.
     "workflow_steps_end": ("ended bigint[], outcomes text[]", frozenset({Use.WORKER, Use.ADMIN})),
-    "workflow_step_retried": ("step bigint", frozenset({Use.WORKER, Use.ADMIN})),
+    "workflow_step_retried": ("retried bigint", frozenset({Use.WORKER, Use.ADMIN})),
 }
 
 

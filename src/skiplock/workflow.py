@@ -371,43 +371,38 @@ def check_acyclic(parents: Sequence[Sequence[int]]) -> None:
 
 
 def workflow_params(name: str | None, nodes: Sequence[_Node], run_anyway: bool) -> dict[str, Any]:
-    """WORKFLOW_INSERT's parameters: one array element per step; parents and children
-    as step numbers (from 1) in text, "1,2,3"."""
+    """WORKFLOW_INSERT's parameters: the steps as one JSON object of columns, parents and
+    children as arrays of step numbers (from 1) in PostgreSQL's text form, "{1,2}"."""
     children: list[list[str]] = [[] for _ in nodes]
     for index, node in enumerate(nodes):
         own = str(index + 1)
         for parent in node.parents:
             children[parent].append(own)
-    steps = []
-    for index, node in enumerate(nodes):
-        spec = node.spec
-        rate, period = spec.key_rate or (None, None)
-        steps.append(
-            {
-                "q": spec.queue,
-                "t": spec.task,
-                "a": spec.args_json,
-                "p": spec.priority,
-                "r": spec.run_at.isoformat() if spec.run_at is not None else None,
-                "d": spec.delay,
-                "m": spec.max_attempts,
-                "ok": spec.ordering_key,
-                "kl": spec.key_limit,
-                "kr": rate,
-                "kp": period,
-                "w": len(node.parents),
-                "name": node.name,
-                "anyway": run_anyway if node.run_anyway is None else node.run_anyway,
-                "up": ",".join([str(p + 1) for p in node.parents]),
-                "down": ",".join(children[index]),
-                "n": index + 1,
-            }
-        )
+    specs = [node.spec for node in nodes]
+    rates = [spec.key_rate or (None, None) for spec in specs]
+    given = {
+        "q": [s.queue for s in specs],
+        "t": [s.task for s in specs],
+        "a": [s.args_json for s in specs],
+        "p": [s.priority for s in specs],
+        "r": [s.run_at.isoformat() if s.run_at is not None else None for s in specs],
+        "d": [s.delay for s in specs],
+        "m": [s.max_attempts for s in specs],
+        "ok": [s.ordering_key for s in specs],
+        "kl": [s.key_limit for s in specs],
+        "kr": [rate for rate, _ in rates],
+        "kp": [period for _, period in rates],
+        "w": [len(node.parents) for node in nodes],
+        "name": [node.name for node in nodes],
+        "anyway": [run_anyway if node.run_anyway is None else node.run_anyway for node in nodes],
+        "up": ["{" + ",".join([str(p + 1) for p in node.parents]) + "}" for node in nodes],
+        "down": ["{" + ",".join(own) + "}" for own in children],
+    }
     return {
         "name": name,
         "options": json.dumps({"run_anyway": run_anyway}),
         "steps": len(nodes),
-        "given": json.dumps(steps),
+        "given": json.dumps(given),
     }
 
 

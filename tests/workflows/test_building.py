@@ -3,6 +3,8 @@ nothing is written (no database here: the checks are pure)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import skiplock
@@ -55,8 +57,8 @@ def test_parents_by_name_work() -> None:
     wf = app.workflow()
     wf.add(step.job(), name="fetch")
     wf.add(step.job(), name="parse", after="fetch")
-    params = wf._params()
-    assert '"up": "1"' in params["given"]
+    given = json.loads(wf._params()["given"])
+    assert given["up"] == ["{}", "{1}"] and given["down"] == ["{2}", "{}"]
 
 
 def test_an_empty_workflow_is_refused_at_enqueue_before_any_connection() -> None:

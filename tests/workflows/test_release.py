@@ -192,7 +192,8 @@ def test_groups_chords_and_chains_compose(sem: Sem, workers: StartWorkers) -> No
     parents = dict(
         sem.execute(
             "SELECT s.name, ARRAY(SELECT p.name FROM {schema}.workflow_steps AS p "
-            "WHERE p.job_id = ANY(s.parents) ORDER BY p.name) "
+            "WHERE p.workflow_id = s.workflow_id AND p.step = ANY(s.parents) "
+            "ORDER BY p.name) "
             "FROM {schema}.workflow_steps AS s WHERE s.workflow_id = %s",
             (ref.id,),
         )

@@ -68,28 +68,28 @@ def workflow_view(workflow: dict[str, Any], steps: list[dict[str, Any]]) -> list
         + (f", {workflow['steps_failed']} failed" if workflow["steps_failed"] else ""),
         f"  created {_time(workflow['created_at'])}, finished {_time(workflow['finished_at'])}",
     ]
-    by_id = {step["job_id"]: step for step in steps}
+    by_number = {step["step"]: step for step in steps}
     children: dict[int, list[int]] = {}
     for step in steps:
         if step["parents"]:
-            children.setdefault(step["parents"][0], []).append(step["job_id"])
+            children.setdefault(step["parents"][0], []).append(step["step"])
 
-    def visit(job_id: int, depth: int) -> None:
-        step = by_id[job_id]
-        others = [by_id[p]["name"] for p in step["parents"][1:] if p in by_id]
+    def visit(number: int, depth: int) -> None:
+        step = by_number[number]
+        others = [by_number[p]["name"] for p in step["parents"][1:] if p in by_number]
         lines.append(
-            f"  {'  ' * depth}{step['name']} [{step['state']}] job {job_id}"
+            f"  {'  ' * depth}{step['name']} [{step['state']}] job {step['job_id']}"
             f" ({step['task']}, attempts {step['attempts']})"
             + (f", also after {', '.join(others)}" if others else "")
             + (", runs anyway" if step["run_anyway"] else "")
             + (f", waiting for {step['pending']}" if step["state"] == "waiting" else "")
         )
-        for child in children.get(job_id, []):
+        for child in children.get(number, []):
             visit(child, depth + 1)
 
     for step in steps:
         if not step["parents"]:
-            visit(step["job_id"], 0)
+            visit(step["step"], 0)
     return lines
 
 

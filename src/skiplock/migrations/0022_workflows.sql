@@ -50,10 +50,13 @@ CREATE TABLE workflow_steps (
     job_id       bigint  PRIMARY KEY,
     workflow_id  bigint  NOT NULL,
     name         text    NOT NULL,
-    -- The job ids of the step's parents and children: parents for parent_results() and
-    -- resuming, children for release (read by primary key from the parent's row).
-    parents      bigint[] NOT NULL DEFAULT '{}',
-    children     bigint[] NOT NULL DEFAULT '{}',
+    -- The step's number in its workflow (from 1), and its parents' and children's:
+    -- parents for parent_results() and resuming, children for release (read from the
+    -- parent's row, found by job id). Numbers, not job ids, so that the enqueue writes
+    -- them as given instead of mapping each to an id (that halved its cost).
+    step         integer NOT NULL,
+    parents      integer[] NOT NULL DEFAULT '{}',
+    children     integer[] NOT NULL DEFAULT '{}',
     -- Parents not yet counted: a completed parent counts, a dead or cancelled one only
     -- for a step that runs anyway. The step is released by the decrement to zero.
     pending      integer NOT NULL DEFAULT 0,
@@ -73,7 +76,9 @@ CREATE TABLE workflow_steps (
     CONSTRAINT workflow_steps_name_valid CHECK (char_length(name) BETWEEN 1 AND 255)
 ) WITH (fillfactor = 80);  -- pending and outcome change in place (HOT)
 
-CREATE UNIQUE INDEX workflow_steps_name ON workflow_steps (workflow_id, name);
+-- A workflow's steps by number. Names are unique per workflow too, checked when it is
+-- built (an index of them would cost each step of a bulk enqueue one more entry).
+CREATE UNIQUE INDEX workflow_steps_number ON workflow_steps (workflow_id, step);
 
 -- A step's job knows its workflow: the statements that end jobs look for steps with one
 -- test of this column per row, and a job without a workflow pays nothing more.
@@ -138,14 +143,18 @@ BEGIN
             SELECT c.job_id, f.id
             FROM unnest(failed) AS f(id)
             JOIN workflow_steps AS p ON p.job_id = f.id
-            CROSS JOIN LATERAL unnest(p.children) AS ch(id)
+            CROSS JOIN LATERAL (SELECT k.job_id AS id FROM workflow_steps AS k
+                               WHERE k.workflow_id = p.workflow_id
+                                 AND k.step = ANY(p.children)) AS ch
             JOIN workflow_steps AS c ON c.job_id = ch.id
             WHERE NOT c.run_anyway AND c.outcome IS NULL
             UNION
             SELECT c.job_id, d.cause
             FROM doomed_steps AS d
             JOIN workflow_steps AS p ON p.job_id = d.id
-            CROSS JOIN LATERAL unnest(p.children) AS ch(id)
+            CROSS JOIN LATERAL (SELECT k.job_id AS id FROM workflow_steps AS k
+                               WHERE k.workflow_id = p.workflow_id
+                                 AND k.step = ANY(p.children)) AS ch
             JOIN workflow_steps AS c ON c.job_id = ch.id
             WHERE NOT c.run_anyway AND c.outcome IS NULL
         ), marked_doomed AS (
@@ -186,16 +195,18 @@ BEGIN
     -- takes its own snapshot: the decrement reads what the child's previous decrementer
     -- committed before the lock was granted.
     PERFORM 1 FROM workflow_steps AS c
-    WHERE c.job_id IN (SELECT ch.id
-                       FROM workflow_steps AS p CROSS JOIN LATERAL unnest(p.children) AS ch(id)
-                       WHERE p.job_id = ANY(marked || doomed))
+    WHERE (c.workflow_id, c.step) IN (SELECT p.workflow_id, unnest(p.children)
+                                      FROM workflow_steps AS p
+                                      WHERE p.job_id = ANY(marked || doomed))
       AND c.outcome IS NULL
     ORDER BY c.job_id FOR UPDATE;
     WITH edges AS (
         SELECT ch.id AS child,
                count(*) AS parents,
                count(*) FILTER (WHERE p.outcome = 'completed') AS completed
-        FROM workflow_steps AS p CROSS JOIN LATERAL unnest(p.children) AS ch(id)
+        FROM workflow_steps AS p CROSS JOIN LATERAL (SELECT k.job_id AS id FROM workflow_steps AS k
+                               WHERE k.workflow_id = p.workflow_id
+                                 AND k.step = ANY(p.children)) AS ch
         WHERE p.job_id = ANY(marked || doomed)
         GROUP BY ch.id
     ), counted AS (
@@ -301,19 +312,19 @@ CREATE TRIGGER jobs_step_dead
 -- parents is dead or cancelled any more, waiting for those not completed, its job moved
 -- back from history (the cancellation the workflow made is undone, same id). A step that
 -- runs anyway and still waits counts the retried parent again. The workflow runs again.
-CREATE FUNCTION workflow_step_retried(step bigint) RETURNS void
+CREATE FUNCTION workflow_step_retried(retried bigint) RETURNS void
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path FROM CURRENT
 AS $$
 DECLARE
-    frontier bigint[] := ARRAY[step];
-    revived bigint[] := ARRAY[step];
+    frontier bigint[] := ARRAY[retried];
+    revived bigint[] := ARRAY[retried];
     batch bigint[];
     owner bigint;
 BEGIN
     UPDATE workflow_steps SET outcome = NULL
-    WHERE job_id = step AND outcome = 'dead'
+    WHERE job_id = retried AND outcome = 'dead'
     RETURNING workflow_id INTO owner;
     IF owner IS NULL THEN
         RETURN;
@@ -322,18 +333,21 @@ BEGIN
         batch := ARRAY(
             SELECT DISTINCT c.job_id
             FROM workflow_steps AS p
-            CROSS JOIN LATERAL unnest(p.children) AS ch(id)
+            CROSS JOIN LATERAL (SELECT k.job_id AS id FROM workflow_steps AS k
+                               WHERE k.workflow_id = p.workflow_id
+                                 AND k.step = ANY(p.children)) AS ch
             JOIN workflow_steps AS c ON c.job_id = ch.id
             WHERE p.job_id = ANY(frontier)
               AND c.outcome = 'cancelled' AND c.cancelled_by IS NOT NULL
               AND NOT EXISTS (SELECT FROM workflow_steps AS q
-                              WHERE q.job_id = ANY(c.parents)
+                              WHERE q.workflow_id = c.workflow_id AND q.step = ANY(c.parents)
                                 AND q.outcome IN ('dead', 'cancelled')));
         EXIT WHEN cardinality(batch) = 0;
         UPDATE workflow_steps AS c
         SET outcome = NULL, cancelled_by = NULL,
             pending = (SELECT count(*) FROM workflow_steps AS q
-                       WHERE q.job_id = ANY(c.parents) AND q.outcome IS DISTINCT FROM 'completed')
+                       WHERE q.workflow_id = c.workflow_id AND q.step = ANY(c.parents)
+                         AND q.outcome IS DISTINCT FROM 'completed')
         WHERE c.job_id = ANY(batch);
         WITH back AS (
             DELETE FROM job_history AS h
@@ -354,7 +368,10 @@ BEGIN
     UPDATE workflow_steps AS c
     SET pending = c.pending + e.parents
     FROM (SELECT ch.id AS child, count(*) AS parents
-          FROM workflow_steps AS p CROSS JOIN LATERAL unnest(p.children) AS ch(id)
+          FROM workflow_steps AS p
+          CROSS JOIN LATERAL (SELECT k.job_id AS id FROM workflow_steps AS k
+                              WHERE k.workflow_id = p.workflow_id
+                                AND k.step = ANY(p.children)) AS ch
           WHERE p.job_id = ANY(revived)
           GROUP BY ch.id) AS e
     WHERE c.job_id = e.child AND c.run_anyway AND c.outcome IS NULL

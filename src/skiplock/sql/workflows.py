@@ -3,49 +3,63 @@ results, and the operator's reads. Release is not here: the trigger of the state
 that ends a step's last parent does it (workflow_steps_end in 0022)."""
 
 # A whole workflow in one statement, in the caller's transaction: its row, its steps'
-# jobs, and the steps' rows with their parents and children as job ids. The steps come
-# as one JSON array of objects, one per step and numbered (parsed once, by the server, faster than
-# psycopg formats a dozen arrays of ten thousand elements). The jobs are inserted sorted
-# by the steps' ordinality: the identity default is evaluated on the sorted rows, so the
-# ids ascend in step order (other sessions' ids may fall in between, as for bulk
-# enqueue's COPY), and the ids in order are one array that each step's parents and
-# children (step numbers from 1, as text: "1,2,3") index into. No join between the
-# steps: planned as joins, their estimates (thousands times thousands) made the planner
-# compile the statement (JIT) for seconds. Steps with parents wait as 'waiting'; the
-# others are written as any enqueue writes them. The insert trigger wakes workers for
-# the roots.
+# jobs, and the steps' rows. The steps come as one JSON object of columns, an array per
+# column with one element per step (parsed once into jsonb by the server; psycopg's
+# formatting of a dozen arrays of ten thousand elements cost more than the insert), read
+# back row by row with ROWS FROM, which zips the columns by position. A step's parents
+# and children are step numbers (from 1): written as given, no mapping to job ids. The
+# jobs are inserted sorted by step number: the identity default is evaluated on the
+# sorted rows, so the ids ascend in step order (other sessions' ids may fall in
+# between, as for bulk enqueue's COPY), and the i-th id is step i's. Steps with parents
+# wait as 'waiting'; the others are written as any enqueue writes them. The insert
+# trigger wakes workers for the roots.
 WORKFLOW_INSERT = """
 WITH workflow AS (
     INSERT INTO {workflows} (name, options, steps, steps_left)
     VALUES (%(name)s, %(options)s::jsonb, %(steps)s, %(steps)s)
     RETURNING id
+), doc AS (
+    SELECT %(given)s::jsonb AS g
 ), given AS MATERIALIZED (
-    SELECT *
-    FROM json_to_recordset(%(given)s::json)
-         AS u(q text, t text, a text, p smallint, r timestamptz, d float8,
-                              m int, ok text, kl smallint, kr int, kp float8, w int,
-                              name text, anyway boolean, up text, down text, n bigint)
+    SELECT u.*
+    FROM doc,
+         ROWS FROM (jsonb_array_elements_text(doc.g -> 'q'),
+                    jsonb_array_elements_text(doc.g -> 't'),
+                    jsonb_array_elements_text(doc.g -> 'a'),
+                    jsonb_array_elements_text(doc.g -> 'p'),
+                    jsonb_array_elements_text(doc.g -> 'r'),
+                    jsonb_array_elements_text(doc.g -> 'd'),
+                    jsonb_array_elements_text(doc.g -> 'm'),
+                    jsonb_array_elements_text(doc.g -> 'ok'),
+                    jsonb_array_elements_text(doc.g -> 'kl'),
+                    jsonb_array_elements_text(doc.g -> 'kr'),
+                    jsonb_array_elements_text(doc.g -> 'kp'),
+                    jsonb_array_elements_text(doc.g -> 'w'),
+                    jsonb_array_elements_text(doc.g -> 'name'),
+                    jsonb_array_elements_text(doc.g -> 'anyway'),
+                    jsonb_array_elements_text(doc.g -> 'up'),
+                    jsonb_array_elements_text(doc.g -> 'down'))
+         WITH ORDINALITY AS u(q, t, a, p, r, d, m, ok, kl, kr, kp, w, name, anyway, up, down, n)
 ), inserted AS (
     INSERT INTO {jobs} (queue, task, args, priority, run_at, state, max_attempts,
                         ordering_key, key_limit, key_rate, key_period, workflow_id)
-    SELECT u.q, u.t, u.a::jsonb, u.p, l.due,
-           CASE WHEN u.w > 0 THEN 'waiting'
+    SELECT u.q, u.t, u.a::jsonb, u.p::smallint, l.due,
+           CASE WHEN u.w::int > 0 THEN 'waiting'
                 WHEN u.ok IS NOT NULL THEN 'blocked'
                 WHEN l.due > now() THEN 'scheduled' ELSE 'available' END,
-           u.m, u.ok, u.kl, u.kr, u.kp, (SELECT id FROM workflow)
+           u.m::int, u.ok, u.kl::smallint, u.kr::int, u.kp::float8, (SELECT id FROM workflow)
     FROM given AS u,
-         LATERAL (SELECT COALESCE(u.r, now() + u.d * interval '1 second') AS due) AS l
+         LATERAL (SELECT COALESCE(u.r::timestamptz,
+                                  now() + u.d::float8 * interval '1 second') AS due) AS l
     ORDER BY u.n
     RETURNING id
 ), ids AS (
     SELECT array_agg(id ORDER BY id) AS ids FROM inserted
 ), steps AS (
-    INSERT INTO {workflow_steps} (job_id, workflow_id, name, parents, children, pending,
-                                  run_anyway, key_limit, key_rate, key_period)
-    SELECT ids.ids[u.n], (SELECT id FROM workflow), u.name,
-           ARRAY(SELECT ids.ids[x::int] FROM unnest(string_to_array(u.up, ',')) AS x),
-           ARRAY(SELECT ids.ids[x::int] FROM unnest(string_to_array(u.down, ',')) AS x),
-           u.w, u.anyway, u.kl, u.kr, u.kp
+    INSERT INTO {workflow_steps} (job_id, workflow_id, step, name, parents, children,
+                                  pending, run_anyway, key_limit, key_rate, key_period)
+    SELECT ids.ids[u.n], (SELECT id FROM workflow), u.n, u.name, u.up::int[], u.down::int[],
+           u.w::int, u.anyway::boolean, u.kl::smallint, u.kr::int, u.kp::float8
     FROM ids, given AS u
     RETURNING job_id
 )
@@ -62,11 +76,10 @@ SELECT p.name,
        h.result,
        coalesce(h.errors, j.errors) -> -1 AS last_error
 FROM {workflow_steps} AS s
-CROSS JOIN LATERAL unnest(s.parents) AS parent(id)
-JOIN {workflow_steps} AS p ON p.job_id = parent.id
+JOIN {workflow_steps} AS p ON p.workflow_id = s.workflow_id AND p.step = ANY(s.parents)
 LEFT JOIN LATERAL (SELECT x.state, x.result, x.errors FROM {history} AS x
-                   WHERE x.id = parent.id LIMIT 1) AS h ON true
-LEFT JOIN {jobs} AS j ON j.id = parent.id
+                   WHERE x.id = p.job_id LIMIT 1) AS h ON true
+LEFT JOIN {jobs} AS j ON j.id = p.job_id
 WHERE s.job_id = %(id)s
 ORDER BY p.name
 """
@@ -86,7 +99,7 @@ LIMIT %(limit)s
 
 # Each step of a workflow with its job's state: live, or from history.
 WORKFLOW_STEPS = """
-SELECT s.job_id, s.name, s.parents, s.pending, s.run_anyway, s.outcome,
+SELECT s.job_id, s.step, s.name, s.parents, s.pending, s.run_anyway, s.outcome,
        coalesce(j.state, h.state) AS state, coalesce(j.task, h.task) AS task,
        coalesce(j.attempts, h.attempts) AS attempts, h.finished_at
 FROM {workflow_steps} AS s
@@ -94,7 +107,7 @@ LEFT JOIN {jobs} AS j ON j.id = s.job_id
 LEFT JOIN LATERAL (SELECT x.state, x.task, x.attempts, x.finished_at FROM {history} AS x
                    WHERE x.id = s.job_id LIMIT 1) AS h ON j.id IS NULL
 WHERE s.workflow_id = %(id)s
-ORDER BY s.job_id
+ORDER BY s.step
 """
 
 # Cancelling a workflow: marked cancelled first (WORKFLOW_CANCEL), so that the steps
