@@ -13,9 +13,8 @@ from psycopg.rows import dict_row
 from skiplock import client
 from skiplock.app import App
 from skiplock.command_line import JOB_ID, count
-from skiplock.config import done_channel
 from skiplock.errors import JobNotFoundError
-from skiplock.sql import complete, render
+from skiplock.sql import render
 from skiplock.sql import workflows as statements
 
 STATES = ["running", "completed", "failed", "cancelled"]
@@ -134,16 +133,7 @@ def _cancel(conn: psycopg.Connection[Any], schema: str, workflow: dict[str, Any]
     params = {"id": workflow["id"]}
     with conn.transaction():
         conn.execute(render(statements.WORKFLOW_CANCEL, schema), params)
-        cancelled = conn.execute(render(statements.WORKFLOW_STEPS_CANCEL, schema), params)
-        ended = len(cancelled.fetchall())
-        running = [
-            int(r[0])
-            for r in conn.execute(render(statements.WORKFLOW_RUNNING_STEPS, schema), params)
-        ]
-        asked = client.cancel_jobs(conn, schema, running) if running else 0
-        conn.execute(render(complete.JOBS_DONE_NOTIFY, schema), {"channel": done_channel(schema)})
-    print(
-        f"workflow {workflow['id']} cancelled: {ended} steps cancelled, "
-        f"{asked} running steps asked to stop"
-    )
+        steps = conn.execute(render(statements.WORKFLOW_LIVE_STEPS, schema), params)
+        ended = client.cancel_jobs(conn, schema, [int(r[0]) for r in steps.fetchall()])
+    print(f"workflow {workflow['id']} cancelled: {ended} steps cancelled or asked to stop")
     return 0

@@ -110,13 +110,11 @@ WHERE s.workflow_id = %(id)s
 ORDER BY s.step
 """
 
-# Cancelling a workflow: marked cancelled first (WORKFLOW_CANCEL), so that the steps
-# ended by the statements after it leave it so; then its steps that are not running go
-# to history as cancelled (WORKFLOW_STEPS_CANCEL: the DELETE's trigger counts them as
-# ended), and its running ones are asked to stop as `jobs cancel` asks
-# (admin.JOB_CANCEL_RUNNING, by WORKFLOW_RUNNING_STEPS' ids). A workflow's steps are
-# found by a scan of the live jobs: the hot table is small, and an index of
-# workflow_id would be written by every step's every move.
+# Cancelling a workflow: marked cancelled first, so that the steps ended after it leave it
+# so; then its live steps are cancelled as `jobs cancel` cancels jobs (client.cancel_jobs:
+# the waiting ones to history, whose DELETE's trigger counts them as ended; the running
+# ones asked to stop). A workflow's live steps are found by a scan of the live jobs: the
+# hot table is small, and an index of workflow_id would be written by every step's moves.
 WORKFLOW_CANCEL = """
 UPDATE {workflows}
 SET state = 'cancelled', finished_at = coalesce(finished_at, now())
@@ -124,26 +122,6 @@ WHERE id = %(id)s AND state = 'running'
 RETURNING id
 """
 
-WORKFLOW_STEPS_CANCEL = """
-WITH gone AS (
-    DELETE FROM {jobs}
-    WHERE workflow_id = %(id)s
-      AND state IN ('waiting', 'blocked', 'scheduled', 'available', 'retryable', 'dead')
-    RETURNING *
-)
-INSERT INTO {history} (id, queue, task, args, state, priority, attempts, max_attempts, errors,
-                       result, unique_key, ordering_key, created_at, attempted_at, progress,
-                       started_at, worker_ids, meta)
-SELECT id, queue, task, args, 'cancelled', priority, attempts, max_attempts,
-       errors || jsonb_build_array(jsonb_build_object(
-           'attempt', attempts, 'at', now(), 'type', 'Cancelled',
-           'message', 'its workflow was cancelled', 'traceback', NULL)),
-       NULL, unique_key, ordering_key, created_at, attempted_at, progress, started_at,
-       worker_ids, meta
-FROM gone
-RETURNING id
-"""
-
-WORKFLOW_RUNNING_STEPS = """
-SELECT id FROM {jobs} WHERE workflow_id = %(id)s AND state = 'running' ORDER BY id
+WORKFLOW_LIVE_STEPS = """
+SELECT id FROM {jobs} WHERE workflow_id = %(id)s ORDER BY id
 """
