@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+import uuid
 from typing import Any
 
 import psycopg
@@ -12,7 +14,7 @@ import pytest
 
 import skiplock
 from conftest import wait_until
-from skiplock.sql import render
+from skiplock.sql import complete, render
 from workflows.conftest import Calls, Sem, StartWorkers
 from workflows.helpers import enqueue, step_states, wait_for_workflow, workflow_state
 
@@ -210,3 +212,39 @@ def test_groups_chords_and_chains_compose(sem: Sem, workers: StartWorkers) -> No
     wait_for_workflow(sem, ref.id, "completed")
     assert ref.steps["join"].result(5) == ["d", "e"]
     assert set(step_states(sem, ref.id).values()) == {"completed"}
+
+
+def test_only_the_completion_the_fence_lets_through_releases_the_child(sem: Sem) -> None:
+    """The lease-mode completion of a stale attempt (its job was rescued and claimed
+    again) writes nothing, and so releases nothing; the current attempt's does."""
+
+    @sem.app.task(name="noop")
+    def noop() -> None: ...
+
+    ref = enqueue(sem, skiplock.chain(noop.job(), noop.job(), app=sem.app))
+    parent, child = ref.steps["noop"], ref.steps["noop#2"]
+    worker = uuid.uuid4()
+    sem.execute(
+        "UPDATE {jobs} SET state = 'running', attempts = 2, worker_id = %s, "
+        "lease_expires_at = now() + interval '1 minute' WHERE id = %s",
+        (worker, parent),
+    )
+
+    def complete_attempt(attempt: int) -> list[Any]:
+        return sem.execute(
+            complete.JOB_COMPLETE_MANY_IF_LEASED,
+            {
+                "ids": [parent],
+                "batch": json.dumps({str(parent): {"attempt": attempt, "result": "1"}}),
+                "worker_id": worker,
+            },
+        )
+
+    assert complete_attempt(1) == []  # the stale attempt: refused
+    assert sem.state_of(child) == "waiting"
+    assert complete_attempt(2) == [(parent,)]
+    assert sem.state_of(child) == "available"
+    assert complete_attempt(2) == []  # once only
+    assert sem.execute(
+        "SELECT pending FROM {schema}.workflow_steps WHERE job_id = %s", (child,)
+    ) == [(0,)]
