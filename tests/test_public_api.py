@@ -24,12 +24,20 @@ PUBLIC = [
     "SchemaNotReadyError",
     "SkiplockError",
     "Snooze",
+    "Step",
     "Task",
     "UnknownTaskError",
     "Worker",
     "WorkerOptions",
+    "Workflow",
+    "WorkflowRef",
     "cancel_requested",
+    "chain",
+    "chord",
     "current_job",
+    "group",
+    "parent_results",
+    "parent_results_async",
     "set_progress",
 ]
 
@@ -73,6 +81,7 @@ def test_errors_share_one_base() -> None:
 
 def test_job_states_are_one_vocabulary() -> None:
     assert {state.value for state in skiplock.JobState} == {
+        "waiting",
         "blocked",
         "scheduled",
         "available",

@@ -197,6 +197,13 @@ EXPECTED_FIGURES = {
     "dashboard": [
         f"dashboard {name}" for name, _ in dashboard_bench.pages(history_rows=500, live_jobs=300)
     ],
+    "workflow": [
+        "workflow enqueue, 300 steps in one call",
+        "workflow hop, a chain of 300",
+        "drain, 300 plain jobs",
+        "drain, 300 steps as fan-out/fan-in workflows",
+        "drain, 300 steps as one fan-in",
+    ],
 }
 PHASES = ["warm-up", "clean", "held", "recovery"]
 

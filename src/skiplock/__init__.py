@@ -23,6 +23,16 @@ from skiplock.retry import RetryPolicy
 from skiplock.tasks import JobSpec, Task
 from skiplock.types import ClaimedJob, Job, JobState
 from skiplock.worker import Worker, WorkerOptions
+from skiplock.workflow import (
+    Step,
+    Workflow,
+    WorkflowRef,
+    chain,
+    chord,
+    group,
+    parent_results,
+    parent_results_async,
+)
 
 __all__ = [
     "Admin",
@@ -42,12 +52,20 @@ __all__ = [
     "SchemaNotReadyError",
     "SkiplockError",
     "Snooze",
+    "Step",
     "Task",
     "UnknownTaskError",
     "Worker",
     "WorkerOptions",
+    "Workflow",
+    "WorkflowRef",
     "cancel_requested",
+    "chain",
+    "chord",
     "current_job",
+    "group",
+    "parent_results",
+    "parent_results_async",
     "set_progress",
 ]
 

@@ -26,6 +26,7 @@ from skiplock.periodic import Periodic
 from skiplock.results import JobRef, wait_for_result, wait_for_result_async
 from skiplock.tasks import MAX_TASK_NAME, JobSpec, Task, check_name, parse_task_options
 from skiplock.tracing import Send, Tracing
+from skiplock.workflow import Workflow, register_app
 
 R = TypeVar("R")
 
@@ -69,6 +70,7 @@ class App:
         # Which database each URL reaches, learned once (routing.url_identity).
         self._identities: dict[str, routing.Identity] = {}
         self._bound: dict[str, App] = {}
+        register_app(self)  # so that parent_results() finds the App of a running step
 
     def configure(self, *, database_url: str | None = None, schema: str | None = None) -> None:
         """Point an already-defined App elsewhere (the CLI's --database-url and --schema)."""
@@ -145,6 +147,11 @@ class App:
             return registered
 
         return register
+
+    def workflow(self, name: str | None = None, *, run_anyway: bool = False) -> Workflow:
+        """A new workflow of this App's tasks: add steps, then ``enqueue(conn)``
+        (skiplock/workflow.py, docs/decisions/024)."""
+        return Workflow(name, app=self, run_anyway=run_anyway)
 
     def get_task(self, name: str) -> Task[Any]:
         try:

@@ -52,6 +52,7 @@ ENQUEUE_COLUMNS = (
     "key_rate",
     "key_period",
     "meta",
+    "workflow_id",
 )
 _ENQUEUE_INSERT = f"INSERT ({', '.join(ENQUEUE_COLUMNS)})"
 
@@ -98,6 +99,19 @@ TABLES: dict[str, dict[Use, tuple[str, ...]]] = {
     # deletes expired windows (worker and `skiplock prune`).
     "unique_windows": {Use.WORKER: _ALL, Use.ENQUEUE: _ALL, Use.ADMIN: ("SELECT", "DELETE")},
     "key_rates": {Use.WORKER: _ALL, Use.ENQUEUE: (), Use.ADMIN: ("SELECT", "DELETE")},
+    # Workflows (0022): enqueued in one statement, read back by parent_results() and the
+    # operator, cancelled by the operator. What ends steps writes them through the
+    # SECURITY DEFINER functions below, so a worker needs no more.
+    "workflows": {
+        Use.WORKER: ("SELECT", "INSERT"),
+        Use.ENQUEUE: ("SELECT", "INSERT"),
+        Use.ADMIN: ("SELECT", "INSERT", "UPDATE"),
+    },
+    "workflow_steps": {
+        Use.WORKER: ("SELECT", "INSERT"),
+        Use.ENQUEUE: ("SELECT", "INSERT"),
+        Use.ADMIN: ("SELECT", "INSERT"),
+    },
     # Every use checks that the schema is at the version it expects.
     "schema_migrations": {
         Use.WORKER: ("SELECT",),
@@ -125,6 +139,11 @@ FUNCTIONS: dict[str, tuple[str, frozenset[Use]]] = {
         "wanted text[], at_most integer, wait boolean",
         frozenset({Use.WORKER, Use.ADMIN}),
     ),
+    # Workflows (0022): called by the triggers of the statements that end steps (a
+    # worker's outcome, a rescue, an operator's cancel, delete or retry). SECURITY
+    # DEFINER, so not PUBLIC's.
+    "workflow_steps_end": ("ended bigint[], outcomes text[]", frozenset({Use.WORKER, Use.ADMIN})),
+    "workflow_step_retried": ("retried bigint", frozenset({Use.WORKER, Use.ADMIN})),
 }
 
 

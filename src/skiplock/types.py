@@ -12,12 +12,14 @@ from uuid import UUID
 class JobState(enum.StrEnum):
     """One vocabulary for SQL, Python, CLI and docs.
 
+    ``waiting`` jobs are workflow steps waiting for their parents (decision 024);
     ``blocked`` jobs wait for their key's turn (ordering and concurrency keys);
     ``scheduled`` and ``retryable`` jobs wait for their ``run_at``; the promoter then makes
     them ``available``. ``completed`` and ``cancelled`` live in the history table; the rest
     in the hot table.
     """
 
+    WAITING = "waiting"
     BLOCKED = "blocked"
     SCHEDULED = "scheduled"
     AVAILABLE = "available"

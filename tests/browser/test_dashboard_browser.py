@@ -412,3 +412,34 @@ def test_a_job_on_the_second_database_is_found_and_retried_from_the_overview(
         server.stop()
     with psycopg.connect(app.database_url) as conn:
         assert client.get_job(conn, app.schema, on_default).state == "dead", "the other job"
+
+
+def test_a_workflow_is_drawn_and_its_steps_turn_completed_as_they_run(
+    app: skiplock.App, serve: Serve, page: Page, start_worker: StartWorker
+) -> None:
+    @app.task(name="report.step")
+    def step() -> None:
+        return None
+
+    workflow = app.workflow("nightly-report")
+    fetch = workflow.add(step.job(), name="fetch")
+    parts = [workflow.add(step.job(), name=f"parse-{n}", after=[fetch]) for n in range(3)]
+    workflow.add(step.job(), name="render", after=parts)
+    with app.connect() as conn:
+        ref = workflow.enqueue(conn)
+        conn.commit()
+    server = serve()
+
+    page.goto(f"{server.url}/workflows/{ref.id}")
+    graph = page.locator("#workflow-graph")
+    expect(graph.locator("g.step")).to_have_count(5)
+    expect(graph.locator("line.edge")).to_have_count(6)
+    expect(graph.locator('g[data-step="render"]')).to_have_attribute("data-state", "waiting")
+    screenshot(page, "workflow-waiting")
+    start_worker(app, poll_interval=0.1)
+    page.reload()
+    expect(page.locator("#workflow-state")).to_have_text("completed")
+    expect(graph.locator('g[data-state="completed"]')).to_have_count(5)
+    screenshot(page, "workflow")
+    page.locator('g[data-step="render"]').click()
+    expect(page.locator("#job-state")).to_have_text("completed")

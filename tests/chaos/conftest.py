@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -47,6 +48,13 @@ STARTUP_TIMEOUT = 30.0
 EXIT_TIMEOUT = 30.0
 
 T = TypeVar("T")
+
+
+@pytest.fixture
+def seed() -> int:
+    """The job mix and the chaos's choices come from this seed, printed with the figures;
+    ``SKIPLOCK_CHAOS_SEED`` replays one (the timing of a real system never replays)."""
+    return int(os.environ.get("SKIPLOCK_CHAOS_SEED") or random.randrange(2**32))
 
 
 def size_timeout(seconds_at_default: float, seconds_per_job: float = 0.03) -> float:

@@ -21,7 +21,6 @@ of the same size) are printed at the end of the run; docs/reliability.md has a l
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import signal
 import statistics
@@ -75,13 +74,6 @@ SHORT_MS = (20, 100)
 TIMEOUT = size_timeout(120.0)
 DRAIN_DEADLINE = 60.0 + JOBS / 50
 POLL = 0.05
-
-
-@pytest.fixture
-def seed() -> int:
-    """The job mix and the chaos's choices come from this seed, printed with the figures;
-    ``SKIPLOCK_CHAOS_SEED`` replays one (the timing of a real system never replays)."""
-    return int(os.environ.get("SKIPLOCK_CHAOS_SEED") or random.randrange(2**32))
 
 
 # -- jobs -----------------------------------------------------------------------------------

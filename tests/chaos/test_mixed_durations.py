@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import os
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -85,12 +84,6 @@ NOISE = 0.25
 TURNAROUND = 0.005
 DEADLINE = 240.0
 TIMEOUT = 360.0
-
-
-@pytest.fixture
-def seed() -> int:
-    """As in test_chaos.py: ``SKIPLOCK_CHAOS_SEED`` replays the job mix and the kills."""
-    return int(os.environ.get("SKIPLOCK_CHAOS_SEED") or random.randrange(2**32))
 
 
 def mixed_jobs(rng: random.Random) -> list[skiplock.JobSpec]:

@@ -21,6 +21,8 @@ from skiplock.contrib.sqlalchemy import (
     enqueue_async,
     enqueue_many,
     enqueue_many_async,
+    enqueue_workflow,
+    enqueue_workflow_async,
     get_job,
     get_job_async,
     psycopg_connection,
@@ -220,6 +222,45 @@ def test_async_session_commit_rollback_savepoint_and_bulk(
     assert state is skiplock.JobState.AVAILABLE
     assert len(ids) == 5
     assert committed(app) == [1, 10, 11, 12, 13, 14, 20]
+
+
+def test_a_workflow_commits_and_rolls_back_with_the_session(
+    engine: Engine, app: skiplock.App, database_url: str
+) -> None:
+    def nightly() -> skiplock.Workflow:
+        return skiplock.chain(receipt(app).job(order_id=1), receipt(app).job(order_id=2), app=app)
+
+    with Session(engine) as session:
+        session.add(Order(id=5, item="lamp"))
+        enqueue_workflow(session, nightly())
+        session.rollback()  # the order and both steps go
+        with session.begin_nested() as nested:
+            enqueue_workflow(session, nightly())
+            nested.rollback()
+        kept = enqueue_workflow(session, nightly())
+        assert committed(app) == []
+        session.commit()
+
+    async def in_an_async_session() -> skiplock.WorkflowRef:
+        made = async_engine(database_url)
+        try:
+            async with AsyncSession(made) as session:
+                ref = await enqueue_workflow_async(session, nightly())
+                await session.commit()
+                return ref
+        finally:
+            await made.dispose()
+
+    also = asyncio.run(in_an_async_session())
+    # Only the first step of each is ready; the second waits for it, outside the claim.
+    assert committed(app) == [1, 1]
+    with app.connect() as conn:
+        rows = conn.execute(
+            sql.SQL("SELECT workflow_id, count(*) FROM {} GROUP BY 1 ORDER BY 1").format(
+                sql.Identifier(SCHEMA, "jobs")
+            )
+        ).fetchall()
+    assert rows == [(kept.id, 2), (also.id, 2)]
 
 
 # -- other drivers and misuse ------------------------------------------------------------

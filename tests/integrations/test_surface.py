@@ -22,6 +22,8 @@ SQLALCHEMY = [
     "enqueue_async",
     "enqueue_many",
     "enqueue_many_async",
+    "enqueue_workflow",
+    "enqueue_workflow_async",
     "get_job",
     "get_job_async",
     "psycopg_connection",

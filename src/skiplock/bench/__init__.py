@@ -45,6 +45,7 @@ SCENARIOS = {
     "wakeup": "wakeup",
     "late-commit": "late_commit",
     "dashboard": "dashboard",
+    "workflow": "workflow",
     "hosts": "hosts",
     "failover": "failover",
 }

@@ -23,6 +23,7 @@ from skiplock.cli import (
     queues,
     status,
     worker,
+    workflows,
 )
 from skiplock.cli.parser import OneLineParser, UsageError
 from skiplock.config import DATABASE_URL_ENV, DEFAULT_SCHEMA, EMBEDDED, SCHEMA_ENV
@@ -30,7 +31,19 @@ from skiplock.errors import SkiplockError
 from skiplock.replica import READ_URL_ENV
 
 # In the order ``skiplock --help`` lists their commands.
-GROUPS = (migrate, worker, jobs, queues, maintenance, embedded, bench, status, metrics, dashboard)
+GROUPS = (
+    migrate,
+    worker,
+    jobs,
+    workflows,
+    queues,
+    maintenance,
+    embedded,
+    bench,
+    status,
+    metrics,
+    dashboard,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

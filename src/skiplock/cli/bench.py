@@ -34,6 +34,7 @@ SCENARIOS = (
     "wakeup",
     "late-commit",
     "dashboard",
+    "workflow",
     "hosts",
     "failover",
 )

@@ -15,7 +15,7 @@ from skiplock.command_line import JOB_ID, count, seconds
 from skiplock.errors import ConfigurationError
 from skiplock.types import Job
 
-STATES = ["blocked", "scheduled", "available", "running", "retryable", "dead"]
+STATES = ["waiting", "blocked", "scheduled", "available", "running", "retryable", "dead"]
 
 
 def add_parser(sub: Any) -> None:

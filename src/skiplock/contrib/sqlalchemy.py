@@ -25,12 +25,15 @@ from skiplock.errors import ConfigurationError
 from skiplock.results import JobRef
 from skiplock.tasks import JobSpec, Task, TaskCall
 from skiplock.types import Job
+from skiplock.workflow import Workflow, WorkflowRef
 
 __all__ = [
     "enqueue",
     "enqueue_async",
     "enqueue_many",
     "enqueue_many_async",
+    "enqueue_workflow",
+    "enqueue_workflow_async",
     "get_job",
     "get_job_async",
     "psycopg_connection",
@@ -170,6 +173,20 @@ async def enqueue_many_async(
     if not jobs:
         return []
     return await app.enqueue_many_async(await psycopg_connection_async(session), jobs)
+
+
+def enqueue_workflow(session: Session | Connection, workflow: Workflow, /) -> WorkflowRef:
+    """Insert every step of ``workflow`` in the session's current transaction, in one
+    statement; never commits. A rollback (of the session, or of the savepoint it was
+    enqueued in) takes the whole workflow with it."""
+    return workflow.enqueue(psycopg_connection(session))
+
+
+async def enqueue_workflow_async(
+    session: AsyncSession | AsyncConnection, workflow: Workflow, /
+) -> WorkflowRef:
+    """Async twin of ``enqueue_workflow``."""
+    return await workflow.enqueue_async(await psycopg_connection_async(session))
 
 
 def get_job(session: Session | Connection, job_id: int, /, *, app: App) -> Job:

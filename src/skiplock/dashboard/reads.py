@@ -21,6 +21,7 @@ from psycopg.rows import dict_row
 from skiplock.errors import ConfigurationError
 from skiplock.sql import dashboard as dashboard_sql
 from skiplock.sql import render
+from skiplock.sql import workflows as workflows_sql
 from skiplock.tasks import MAX_QUEUE_NAME, check_name
 
 if TYPE_CHECKING:
@@ -444,3 +445,94 @@ def timeline(job: Mapping[str, Any]) -> list[tuple[datetime, str]]:
         events.append((job["finished_at"], str(job["state"])))
     events.sort(key=lambda event: event[0])
     return events
+
+
+# -- workflows ----------------------------------------------------------------------------
+
+# A graph past this many steps is not drawn (the steps are still listed): boxes that small
+# say nothing, and the page would weigh megabytes.
+GRAPH_MOST_STEPS = 300
+WORKFLOWS_PAGE = 50
+WORKFLOW_STATES = ("running", "completed", "failed", "cancelled")
+
+
+@dataclass(frozen=True)
+class GraphNode:
+    number: int
+    name: str
+    state: str
+    job_id: int
+    x: int
+    y: int
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A workflow's steps as boxes in columns by depth (a step one column right of its
+    deepest parent), and its edges as lines from a parent's right to a child's left, in
+    SVG coordinates."""
+
+    nodes: list[GraphNode]
+    edges: list[tuple[int, int, int, int]]
+    width: int
+    height: int
+    node_width: int = 150
+    node_height: int = 26
+
+
+def workflow_graph(steps: Sequence[Mapping[str, Any]]) -> Graph | None:
+    """Lay out a workflow's steps (rows of WORKFLOW_STEPS); pure. None past
+    GRAPH_MOST_STEPS. A parent not among the steps (a row written by hand) is left out."""
+    if not steps or len(steps) > GRAPH_MOST_STEPS:
+        return None
+    by_number = {int(s["step"]): s for s in steps}
+    depth: dict[int, int] = {}
+    for number in sorted(by_number):  # a step's parents were added before it
+        parents = [int(p) for p in by_number[number]["parents"] or () if int(p) in depth]
+        depth[number] = 1 + max((depth[p] for p in parents), default=-1)
+    shape = Graph([], [], 0, 0)
+    step_x, step_y = shape.node_width + 50, shape.node_height + 12
+    rows: dict[int, int] = {}
+    place: dict[int, tuple[int, int]] = {}
+    nodes = []
+    for number in sorted(by_number):
+        column = depth[number]
+        row = rows.get(column, 0)
+        rows[column] = row + 1
+        x, y = 10 + column * step_x, 10 + row * step_y
+        place[number] = (x, y)
+        step = by_number[number]
+        nodes.append(
+            GraphNode(
+                number, str(step["name"]), str(step["state"] or "?"), int(step["job_id"]), x, y
+            )
+        )
+    middle = shape.node_height // 2
+    edges = [
+        (place[p][0] + shape.node_width, place[p][1] + middle, x, y + middle)
+        for number, (x, y) in place.items()
+        for p in (int(p) for p in by_number[number]["parents"] or ())
+        if p in place
+    ]
+    width = 20 + (max(depth.values()) + 1) * step_x - 50
+    height = 20 + max(rows.values()) * step_y - 12
+    return replace(shape, nodes=nodes, edges=edges, width=width, height=height)
+
+
+def workflow_list(conn: Conn, schema: str, state: str | None) -> list[dict[str, Any]]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        query = render(workflows_sql.WORKFLOW_LIST, schema)
+        return cur.execute(query, {"state": state, "limit": WORKFLOWS_PAGE}).fetchall()
+
+
+def workflow_detail(
+    conn: Conn, schema: str, workflow_id: int
+) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """A workflow and its steps, each with its job's state (live or from history)."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        params = {"id": workflow_id}
+        workflow = cur.execute(render(workflows_sql.WORKFLOW_GET, schema), params).fetchone()
+        if workflow is None:
+            return None, []
+        steps = cur.execute(render(workflows_sql.WORKFLOW_STEPS, schema), params).fetchall()
+    return workflow, steps

@@ -649,6 +649,50 @@ class Pages:
             },
         )
 
+    async def workflows(self, request: Request) -> Response:
+        dashboard = self.dashboard
+        state = request.query_params.get("state") or None
+        if state is not None and state not in reads.WORKFLOW_STATES:
+            known = ", ".join(reads.WORKFLOW_STATES)
+            return self.error(request, 400, f"unknown workflow state {state!r} (one of {known})")
+        rows: list[dict[str, Any]] = []
+        for database in dashboard.databases:
+            found = await self.read(
+                request, database, lambda conn: reads.workflow_list(conn, dashboard.schema, state)
+            )
+            rows += [{**row, "db": database.index} for row in found]
+        return self.render(
+            request,
+            "workflows.html",
+            "workflows_body.html",
+            {"workflows": rows, "state": state, "states": reads.WORKFLOW_STATES},
+        )
+
+    async def workflow(self, request: Request) -> Response:
+        dashboard = self.dashboard
+        workflow_id = int(request.path_params["workflow_id"])
+        database = self.database(request)
+        workflow, steps = await self.read(
+            request,
+            database,
+            lambda conn: reads.workflow_detail(conn, dashboard.schema, workflow_id),
+        )
+        if workflow is None:
+            return self.error(request, 404, f"no workflow with id {workflow_id}")
+        return self.render(
+            request,
+            "workflow.html",
+            "workflow_body.html",
+            {
+                "workflow": workflow,
+                "steps": steps,
+                "names": {int(s["step"]): s["name"] for s in steps},
+                "graph": reads.workflow_graph(steps),
+                "graph_most": reads.GRAPH_MOST_STEPS,
+                "database": database,
+            },
+        )
+
     def no_such_job(self, job_id: int, database: Database) -> str:
         message = f"no job with id {job_id} (live or in history)"
         if not self.dashboard.several:
@@ -969,6 +1013,8 @@ def create_app(
         Route("/jobs", page(pages.jobs), name="jobs"),
         Route("/jobs/{job_id:int}", page(pages.job), name="job"),
         Route("/cron", page(pages.cron), name="cron"),
+        Route("/workflows", page(pages.workflows), name="workflows"),
+        Route("/workflows/{workflow_id:int}", page(pages.workflow), name="workflow"),
         Route("/login", pages.login, methods=["GET", "POST"], name="login"),
         Route("/health", health, name="health"),
         Route(

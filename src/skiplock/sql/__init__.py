@@ -24,6 +24,8 @@ def render(template: str, schema: str) -> str:
         periodic=sql.Identifier(schema, "periodic"),
         unique_windows=sql.Identifier(schema, "unique_windows"),
         key_rates=sql.Identifier(schema, "key_rates"),
+        workflows=sql.Identifier(schema, "workflows"),
+        workflow_steps=sql.Identifier(schema, "workflow_steps"),
         schema=sql.Identifier(schema),
     )
     return composed.as_string(None)

@@ -78,7 +78,7 @@ JOB_CANCEL_WAITING = """
 WITH gone AS (
     DELETE FROM {jobs}
     WHERE id = ANY(%(ids)s::bigint[])
-      AND state IN ('blocked', 'scheduled', 'available', 'retryable', 'dead')
+      AND state IN ('waiting', 'blocked', 'scheduled', 'available', 'retryable', 'dead')
     RETURNING *
 )
 INSERT INTO {history} (id, queue, task, args, state, priority, attempts, max_attempts, errors,

@@ -1,0 +1,127 @@
+"""Workflows (migration 0022, decision 024): enqueueing one, reading a step's parents'
+results, and the operator's reads. Release is not here: the trigger of the statement
+that ends a step's last parent does it (workflow_steps_end in 0022)."""
+
+# A whole workflow in one statement, in the caller's transaction: its row, its steps'
+# jobs, and the steps' rows. The steps come as one JSON object of columns, an array per
+# column with one element per step (parsed once into jsonb by the server; psycopg's
+# formatting of a dozen arrays of ten thousand elements cost more than the insert), read
+# back row by row with ROWS FROM, which zips the columns by position. A step's parents
+# and children are step numbers (from 1): written as given, no mapping to job ids. The
+# jobs are inserted sorted by step number: the identity default is evaluated on the
+# sorted rows, so the ids ascend in step order (other sessions' ids may fall in
+# between, as for bulk enqueue's COPY), and the i-th id is step i's. Steps with parents
+# wait as 'waiting'; the others are written as any enqueue writes them. The insert
+# trigger wakes workers for the roots.
+WORKFLOW_INSERT = """
+WITH workflow AS (
+    INSERT INTO {workflows} (name, options, steps, steps_left)
+    VALUES (%(name)s, %(options)s::jsonb, %(steps)s, %(steps)s)
+    RETURNING id
+), doc AS (
+    SELECT %(given)s::jsonb AS g
+), given AS MATERIALIZED (
+    SELECT u.*
+    FROM doc,
+         ROWS FROM (jsonb_array_elements_text(doc.g -> 'q'),
+                    jsonb_array_elements_text(doc.g -> 't'),
+                    jsonb_array_elements_text(doc.g -> 'a'),
+                    jsonb_array_elements_text(doc.g -> 'p'),
+                    jsonb_array_elements_text(doc.g -> 'r'),
+                    jsonb_array_elements_text(doc.g -> 'd'),
+                    jsonb_array_elements_text(doc.g -> 'm'),
+                    jsonb_array_elements_text(doc.g -> 'ok'),
+                    jsonb_array_elements_text(doc.g -> 'kl'),
+                    jsonb_array_elements_text(doc.g -> 'kr'),
+                    jsonb_array_elements_text(doc.g -> 'kp'),
+                    jsonb_array_elements_text(doc.g -> 'w'),
+                    jsonb_array_elements_text(doc.g -> 'name'),
+                    jsonb_array_elements_text(doc.g -> 'anyway'),
+                    jsonb_array_elements_text(doc.g -> 'up'),
+                    jsonb_array_elements_text(doc.g -> 'down'))
+         WITH ORDINALITY AS u(q, t, a, p, r, d, m, ok, kl, kr, kp, w, name, anyway, up, down, n)
+), inserted AS (
+    INSERT INTO {jobs} (queue, task, args, priority, run_at, state, max_attempts,
+                        ordering_key, key_limit, key_rate, key_period, workflow_id)
+    SELECT u.q, u.t, u.a::jsonb, u.p::smallint, l.due,
+           CASE WHEN u.w::int > 0 THEN 'waiting'
+                WHEN u.ok IS NOT NULL THEN 'blocked'
+                WHEN l.due > now() THEN 'scheduled' ELSE 'available' END,
+           u.m::int, u.ok, u.kl::smallint, u.kr::int, u.kp::float8, (SELECT id FROM workflow)
+    FROM given AS u,
+         LATERAL (SELECT COALESCE(u.r::timestamptz,
+                                  now() + u.d::float8 * interval '1 second') AS due) AS l
+    ORDER BY u.n
+    RETURNING id
+), ids AS (
+    SELECT array_agg(id ORDER BY id) AS ids FROM inserted
+), steps AS (
+    INSERT INTO {workflow_steps} (job_id, workflow_id, step, name, parents, children,
+                                  pending, run_anyway, key_limit, key_rate, key_period)
+    SELECT ids.ids[u.n], (SELECT id FROM workflow), u.n, u.name, u.up::int[], u.down::int[],
+           u.w::int, u.anyway::boolean, u.kl::smallint, u.kr::int, u.kp::float8
+    FROM ids, given AS u
+    RETURNING job_id
+)
+SELECT (SELECT id FROM workflow), (SELECT ids FROM ids), (SELECT count(*) FROM steps)
+"""
+
+# A step's parents, by name, with how each ended: the result from history for a
+# completed one, the last error for one that failed (dead: still in jobs; cancelled: in
+# history). A parent still live (a step that runs anyway never waits for that: only
+# asked about out of turn) comes back with its state.
+STEP_PARENT_RESULTS = """
+SELECT p.name,
+       coalesce(h.state, j.state) AS state,
+       h.result,
+       coalesce(h.errors, j.errors) -> -1 AS last_error
+FROM {workflow_steps} AS s
+JOIN {workflow_steps} AS p ON p.workflow_id = s.workflow_id AND p.step = ANY(s.parents)
+LEFT JOIN LATERAL (SELECT x.state, x.result, x.errors FROM {history} AS x
+                   WHERE x.id = p.job_id LIMIT 1) AS h ON true
+LEFT JOIN {jobs} AS j ON j.id = p.job_id
+WHERE s.job_id = %(id)s
+ORDER BY p.name
+"""
+
+WORKFLOW_GET = """
+SELECT id, name, state, options, steps, steps_left, steps_failed, created_at, finished_at
+FROM {workflows} WHERE id = %(id)s
+"""
+
+WORKFLOW_LIST = """
+SELECT id, name, state, options, steps, steps_left, steps_failed, created_at, finished_at
+FROM {workflows}
+WHERE (%(state)s::text IS NULL OR state = %(state)s)
+ORDER BY created_at DESC, id DESC
+LIMIT %(limit)s
+"""
+
+# Each step of a workflow with its job's state: live, or from history.
+WORKFLOW_STEPS = """
+SELECT s.job_id, s.step, s.name, s.parents, s.pending, s.run_anyway, s.outcome,
+       coalesce(j.state, h.state) AS state, coalesce(j.task, h.task) AS task,
+       coalesce(j.attempts, h.attempts) AS attempts, h.finished_at
+FROM {workflow_steps} AS s
+LEFT JOIN {jobs} AS j ON j.id = s.job_id
+LEFT JOIN LATERAL (SELECT x.state, x.task, x.attempts, x.finished_at FROM {history} AS x
+                   WHERE x.id = s.job_id LIMIT 1) AS h ON j.id IS NULL
+WHERE s.workflow_id = %(id)s
+ORDER BY s.step
+"""
+
+# Cancelling a workflow: marked cancelled first, so that the steps ended after it leave it
+# so; then its live steps are cancelled as `jobs cancel` cancels jobs (client.cancel_jobs:
+# the waiting ones to history, whose DELETE's trigger counts them as ended; the running
+# ones asked to stop). A workflow's live steps are found by a scan of the live jobs: the
+# hot table is small, and an index of workflow_id would be written by every step's moves.
+WORKFLOW_CANCEL = """
+UPDATE {workflows}
+SET state = 'cancelled', finished_at = coalesce(finished_at, now())
+WHERE id = %(id)s AND state = 'running'
+RETURNING id
+"""
+
+WORKFLOW_LIVE_STEPS = """
+SELECT id FROM {jobs} WHERE workflow_id = %(id)s ORDER BY id
+"""

@@ -1,0 +1,49 @@
+"""``skiplock workflows list | show | cancel``."""
+
+from __future__ import annotations
+
+import json
+
+import skiplock
+from workflows.conftest import RunCli, Sem
+from workflows.helpers import enqueue, step_states, workflow_state
+
+
+def _waiting_chain(sem: Sem) -> skiplock.WorkflowRef:
+    @sem.app.task(name="noop")
+    def noop() -> None: ...
+
+    wf = sem.app.workflow("nightly")
+    first = wf.add(noop.job(), name="fetch")
+    second = wf.add(noop.job(), name="parse", after=[first])
+    wf.add(noop.job(), name="render", after=[first, second])
+    return enqueue(sem, wf)
+
+
+def test_list_and_show(sem: Sem, run_cli: RunCli) -> None:
+    ref = _waiting_chain(sem)
+    listed = run_cli("workflows", "list")
+    assert listed.code == 0
+    assert f"{ref.id:>8}  running" in listed.out and "nightly" in listed.out
+    shown = run_cli("workflows", "show", str(ref.id))
+    assert shown.code == 0
+    lines = shown.out.splitlines()
+    assert lines[0] == f"workflow {ref.id} 'nightly': running, 0/3 steps ended"
+    assert lines[2].startswith("  fetch [available]")
+    assert lines[3].startswith("    parse [waiting]")
+    assert lines[4].startswith("    render [waiting]") and "also after parse" in lines[4]
+    as_json = json.loads(run_cli("workflows", "show", str(ref.id), "--json").out)
+    assert [step["name"] for step in as_json["steps"]] == ["fetch", "parse", "render"]
+
+
+def test_cancel_ends_every_step_and_the_workflow(sem: Sem, run_cli: RunCli) -> None:
+    ref = _waiting_chain(sem)
+    result = run_cli("workflows", "cancel", str(ref.id))
+    assert result.code == 0
+    assert "3 steps cancelled or asked to stop" in result.out
+    assert workflow_state(sem, ref.id) == "cancelled"
+    assert set(step_states(sem, ref.id).values()) == {"cancelled"}
+    again = run_cli("workflows", "cancel", str(ref.id))
+    assert again.code == 1 and "has ended (cancelled)" in again.out
+    missing = run_cli("workflows", "show", "999999")
+    assert missing.code != 0
