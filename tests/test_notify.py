@@ -43,10 +43,22 @@ def test_the_key_triggers_fire_only_for_keyed_rows(autocommit: psycopg.Connectio
     ).fetchall()
 
     triggers = dict(rows)
-    assert set(triggers) == {"jobs_key_moved", "jobs_keys_left"}
+    assert set(triggers) == {
+        "jobs_key_moved",
+        "jobs_keys_left",
+        "jobs_step_dead",
+        "jobs_step_retried",
+        "jobs_steps_left",
+    }
     assert "FOR EACH ROW WHEN (((old.ordering_key IS NOT NULL) AND" in triggers["jobs_key_moved"]
     assert "AFTER DELETE" in triggers["jobs_keys_left"]
     assert "FOR EACH STATEMENT" in triggers["jobs_keys_left"]
+    # The workflows' (0022, decision 024) likewise: a row trigger's WHEN is all a job
+    # without a workflow pays, and the DELETE trigger fires once per statement.
+    for name in ("jobs_step_dead", "jobs_step_retried"):
+        assert "FOR EACH ROW WHEN (((new.workflow_id IS NOT NULL) AND" in triggers[name]
+    assert "AFTER DELETE" in triggers["jobs_steps_left"]
+    assert "FOR EACH STATEMENT" in triggers["jobs_steps_left"]
 
 
 def test_a_multi_row_insert_notifies_each_queue_once(

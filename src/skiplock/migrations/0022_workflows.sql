@@ -140,22 +140,15 @@ BEGIN
     -- parent did not complete was never released.
     IF cardinality(failed) > 0 THEN
         WITH RECURSIVE doomed_steps (id, cause) AS (
-            SELECT c.job_id, f.id
-            FROM unnest(failed) AS f(id)
-            JOIN workflow_steps AS p ON p.job_id = f.id
-            CROSS JOIN LATERAL (SELECT k.job_id AS id FROM workflow_steps AS k
-                               WHERE k.workflow_id = p.workflow_id
-                                 AND k.step = ANY(p.children)) AS ch
-            JOIN workflow_steps AS c ON c.job_id = ch.id
-            WHERE NOT c.run_anyway AND c.outcome IS NULL
+            -- Seeded with the failed steps themselves: ended already, the UPDATE below
+            -- passes them over.
+            SELECT f.id, f.id FROM unnest(failed) AS f(id)
             UNION
             SELECT c.job_id, d.cause
             FROM doomed_steps AS d
             JOIN workflow_steps AS p ON p.job_id = d.id
-            CROSS JOIN LATERAL (SELECT k.job_id AS id FROM workflow_steps AS k
-                               WHERE k.workflow_id = p.workflow_id
-                                 AND k.step = ANY(p.children)) AS ch
-            JOIN workflow_steps AS c ON c.job_id = ch.id
+            JOIN workflow_steps AS c
+                ON c.workflow_id = p.workflow_id AND c.step = ANY(p.children)
             WHERE NOT c.run_anyway AND c.outcome IS NULL
         ), marked_doomed AS (
             UPDATE workflow_steps AS s
