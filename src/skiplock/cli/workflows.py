@@ -16,15 +16,14 @@ from skiplock.command_line import JOB_ID, count
 from skiplock.errors import JobNotFoundError
 from skiplock.sql import render
 from skiplock.sql import workflows as statements
-
-STATES = ["running", "completed", "failed", "cancelled"]
+from skiplock.workflow import WORKFLOW_STATES
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("workflows", help="list, show or cancel workflows")
     workflows = p.add_subparsers(dest="workflows_command", required=True)
     q = workflows.add_parser("list", help="the newest workflows first")
-    q.add_argument("--state", choices=STATES)
+    q.add_argument("--state", choices=WORKFLOW_STATES)
     q.add_argument("--limit", type=count(1), default=50)
     q.add_argument("--json", action="store_true")
     q = workflows.add_parser("show", help="one workflow: each step's state and parents")

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 Conn = psycopg.Connection[Any]
 
-LIVE_STATES = ("blocked", "scheduled", "available", "running", "retryable", "dead")
+LIVE_STATES = ("waiting", "blocked", "scheduled", "available", "running", "retryable", "dead")
 FINISHED_STATES = ("completed", "cancelled")
 STATES = LIVE_STATES + FINISHED_STATES
 PAGE_SIZE = 50
@@ -453,7 +453,6 @@ def timeline(job: Mapping[str, Any]) -> list[tuple[datetime, str]]:
 # say nothing, and the page would weigh megabytes.
 GRAPH_MOST_STEPS = 300
 WORKFLOWS_PAGE = 50
-WORKFLOW_STATES = ("running", "completed", "failed", "cancelled")
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from skiplock.routing import describe_url, without_passwords
 from skiplock.sql import dashboard as dashboard_sql
 from skiplock.sql import render
 from skiplock.tasks import MAX_QUEUE_NAME, check_name, parse_rate
+from skiplock.workflow import WORKFLOW_STATES
 
 log = logging.getLogger("skiplock.dashboard")
 T = TypeVar("T")
@@ -652,8 +653,8 @@ class Pages:
     async def workflows(self, request: Request) -> Response:
         dashboard = self.dashboard
         state = request.query_params.get("state") or None
-        if state is not None and state not in reads.WORKFLOW_STATES:
-            known = ", ".join(reads.WORKFLOW_STATES)
+        if state is not None and state not in WORKFLOW_STATES:
+            known = ", ".join(WORKFLOW_STATES)
             return self.error(request, 400, f"unknown workflow state {state!r} (one of {known})")
         rows: list[dict[str, Any]] = []
         for database in dashboard.databases:
@@ -665,7 +666,7 @@ class Pages:
             request,
             "workflows.html",
             "workflows_body.html",
-            {"workflows": rows, "state": state, "states": reads.WORKFLOW_STATES},
+            {"workflows": rows, "state": state, "states": WORKFLOW_STATES},
         )
 
     async def workflow(self, request: Request) -> Response:
