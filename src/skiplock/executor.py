@@ -732,7 +732,7 @@ def _watchdog(
         yield done
         return
     session: list[psycopg.Connection[Any]] = []
-    connected = threading.Event()
+    connected, gone = threading.Event(), threading.Event()
     reason = (
         f"the handler outlived its timeout of {timeout}s and the server ended its "
         "session, rolling back its transaction; the attempt is counted"
@@ -759,11 +759,12 @@ def _watchdog(
             if not done.is_set():
                 log.exception("job %s: the watch on its session failed", job.id)
         finally:
+            gone.set()
             connected.set()
 
     threading.Thread(target=watch, name=f"skiplock-watch-{job.id}", daemon=True).start()
     try:
-        _await_watch(app, conn, session, connected)
+        _await_watch(app, conn, session, connected, gone)
         yield done
     finally:
         done.set()
@@ -777,22 +778,25 @@ def _await_watch(
     conn: psycopg.Connection[Any],
     session: list[psycopg.Connection[Any]],
     connected: threading.Event,
+    gone: threading.Event,
     patience: float = 10.0,
 ) -> None:
-    """Return once the watch's session waits on the job's row lock, or the watch failed,
-    or ``patience`` seconds have passed (the handler then runs unwatched, as before)."""
+    """Return once the watch's session waits on the job's row lock, or the watch ended
+    (it failed), or ``patience`` seconds have passed (the handler then runs unwatched)."""
     deadline = time.monotonic() + patience
     if not connected.wait(patience) or not session:
         return
     query = render(complete.WATCH_IS_WAITING, app.schema)
     params = {"watcher": session[0].info.backend_pid}
     pause = 0.001
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not gone.is_set():
         row = conn.execute(query, params).fetchone()
         if row is not None and row[0]:
             return
         time.sleep(pause)
         pause = min(pause * 2, 0.02)
+    if gone.is_set():
+        return  # the watch failed, and said so
     log.warning("the watch on a sync job's session was not waiting after %ss", patience)
 
 
