@@ -34,7 +34,9 @@ CONCURRENCY = 6
 LARGE = JOBS > DEFAULT_JOBS
 WORKFLOWS = 200 if LARGE else 40
 FAN_IN = 1000 if LARGE else 100
-SHORT_MS = (5, 60)
+# Long enough that the drain spans several kills at the default size: about 300 steps of
+# 250 ms on 24 slots, with chains five deep, is some four seconds of work.
+SHORT_MS = (100, 400)
 
 
 @dataclass
