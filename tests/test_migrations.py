@@ -483,7 +483,14 @@ def test_the_newest_migrations_apply_to_a_million_jobs_while_a_worker_drains(
     that fails their statement, which the worker logs ("lock timeout") and the enqueuer
     records. The newest migrations, plus a concurrent index build over the million rows
     (the kind of step a next release brings; built in a transaction, it takes seconds
-    here and blocks every write meanwhile), apply meanwhile."""
+    here and blocks every write meanwhile), apply meanwhile.
+
+    An enqueue that arrives while a migration waits for its lock queues behind it, so its
+    wait is the migration's lock_timeout plus what the migration does under the lock. The
+    default 0.5 s would leave half a second for the holding, which a loaded CI machine
+    stretches 0011's 0.2 s past (seen once in CI); 0.2 s leaves 0.8 s, still well under the
+    1.4 s of the index built in a transaction."""
+    monkeypatch.setenv(skiplock_migrate.LOCK_TIMEOUT_ENV, "0.2")
     app = skiplock.App(database_url, schema=scratch_schema)
     app.migrate(target=LAST_RELEASED_VERSION)
     shipped = available_migrations()
