@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 import psycopg
 
+from skiplock.client.params import SCHEMA_MISSING, schema_not_ready
 from skiplock.context import current_job
 from skiplock.errors import ConfigurationError, JobFailedError
 from skiplock.results import JobRef
@@ -302,8 +303,11 @@ class Workflow:
         params = self._params()
         if app.queue_databases:  # every step on conn's database; refs wait there
             owner = app._result_app(app._route(conn, self._queues()))
-        row = conn.execute(render(statements.WORKFLOW_INSERT, app.schema), params).fetchone()
-        return self._enqueued_as(owner, row)
+        try:
+            cur = conn.execute(render(statements.WORKFLOW_INSERT, app.schema), params)
+        except SCHEMA_MISSING as exc:
+            raise schema_not_ready(app.schema, exc) from exc
+        return self._enqueued_as(owner, cur.fetchone())
 
     async def enqueue_async(self, conn: psycopg.AsyncConnection[Any]) -> WorkflowRef:
         """``enqueue`` on an async connection."""
@@ -311,7 +315,10 @@ class Workflow:
         params = self._params()
         if app.queue_databases:
             owner = app._result_app(await app._route_async(conn, self._queues()))
-        cur = await conn.execute(render(statements.WORKFLOW_INSERT, app.schema), params)
+        try:
+            cur = await conn.execute(render(statements.WORKFLOW_INSERT, app.schema), params)
+        except SCHEMA_MISSING as exc:
+            raise schema_not_ready(app.schema, exc) from exc
         return self._enqueued_as(owner, await cur.fetchone())
 
     def _queues(self) -> list[str]:

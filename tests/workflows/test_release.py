@@ -248,3 +248,17 @@ def test_only_the_completion_the_fence_lets_through_releases_the_child(sem: Sem)
     assert sem.execute(
         "SELECT pending FROM {schema}.workflow_steps WHERE job_id = %s", (child,)
     ) == [(0,)]
+
+
+def test_a_schema_not_migrated_is_named_with_the_command_that_makes_it(sem: Sem) -> None:
+    """As for a single job: SchemaNotReadyError, not psycopg's missing table."""
+    bare = skiplock.App(sem.app.database_url, schema="not_migrated_here")
+
+    @bare.task(name="bare")
+    def bare_task() -> None: ...
+
+    with (
+        sem.connect() as conn,
+        pytest.raises(skiplock.SchemaNotReadyError, match="skiplock migrate"),
+    ):
+        skiplock.chain(bare_task.job(), bare_task.job(), app=bare).enqueue(conn)

@@ -88,3 +88,11 @@ def urgent(label: str) -> None:
 
 def plain_function() -> None:
     """Not a task: a job naming it fails."""
+
+
+@task
+def gather(label: str) -> dict[str, Any]:
+    """A workflow step that returns its parents' results, by step name."""
+    import skiplock  # noqa: PLC0415 - only this task needs it
+
+    return {"label": label, "parents": skiplock.parent_results()}

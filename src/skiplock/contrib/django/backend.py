@@ -7,11 +7,12 @@ commit makes it visible to workers. No ``transaction.on_commit`` is needed.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -207,21 +208,8 @@ class SkiplockBackend(BaseTaskBackend):
         ``transaction.atomic()`` the insert runs in a savepoint of its own, so a failed
         insert (a missing schema, say) leaves the caller's transaction usable."""
         spec = self.job_spec(task, args, kwargs)
-        connection = self.connection()
-        connection.ensure_connection()
-        try:
-            if connection.in_atomic_block or not connection.get_autocommit():
-                # Django's own check: a transaction already broken is not written to.
-                connection.validate_no_broken_transaction()
-                with transaction.atomic(using=self.database):
-                    job_id, _ = client.insert_job(connection.connection, self.schema, spec)
-            else:
-                job_id, _ = client.insert_job(connection.connection, self.schema, spec)
-        except SchemaNotReadyError as exc:  # the client's, which names the CLI's command
-            raise SchemaNotReadyError(
-                f"skiplock's schema {self.schema!r} is not set up in database "
-                f"{self.database!r} ({str(exc.__cause__).strip()}); run `python manage.py migrate`"
-            ) from exc.__cause__
+        with self.writing() as conn:
+            job_id, _ = client.insert_job(conn, self.schema, spec)
         result = TaskResult(
             task=task,
             id=str(job_id),
@@ -238,6 +226,27 @@ class SkiplockBackend(BaseTaskBackend):
         )
         task_enqueued.send(type(self), task_result=result)
         return result
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[Any]:
+        """The psycopg connection of the configured database's current transaction. Inside
+        ``transaction.atomic()`` the block runs in a savepoint of its own; a missing schema
+        is said with the command that installs it."""
+        connection = self.connection()
+        connection.ensure_connection()
+        try:
+            if connection.in_atomic_block or not connection.get_autocommit():
+                # Django's own check: a transaction already broken is not written to.
+                connection.validate_no_broken_transaction()
+                with transaction.atomic(using=self.database):
+                    yield connection.connection
+            else:
+                yield connection.connection
+        except SchemaNotReadyError as exc:  # the client's, which names the CLI's command
+            raise SchemaNotReadyError(
+                f"skiplock's schema {self.schema!r} is not set up in database "
+                f"{self.database!r} ({str(exc.__cause__).strip()}); run `python manage.py migrate`"
+            ) from exc.__cause__
 
     # -- results -----------------------------------------------------------------------
 

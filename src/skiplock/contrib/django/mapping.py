@@ -21,8 +21,15 @@ from typing import Any
 from skiplock import errors as skiplock_errors
 from skiplock.types import JobState
 
+# A workflow step waiting for its parents is READY too: it has not started, and will.
 READY_STATES = frozenset(
-    {JobState.BLOCKED, JobState.SCHEDULED, JobState.AVAILABLE, JobState.RETRYABLE}
+    {
+        JobState.WAITING,
+        JobState.BLOCKED,
+        JobState.SCHEDULED,
+        JobState.AVAILABLE,
+        JobState.RETRYABLE,
+    }
 )
 FAILED_STATES = frozenset({JobState.DEAD, JobState.CANCELLED})
 # Django's bounds (TASK_MIN_PRIORITY, TASK_MAX_PRIORITY), fixed by the framework.
