@@ -6,6 +6,7 @@ Enqueue in your own transaction; workers claim with FOR UPDATE SKIP LOCKED.
 from skiplock.admin import Admin
 from skiplock.admin_async import AsyncAdmin
 from skiplock.app import App
+from skiplock.batch import Batch, BatchCounts, batch_counts, batch_counts_async
 from skiplock.context import cancel_requested, current_job, set_progress
 from skiplock.errors import (
     ConfigurationError,
@@ -38,6 +39,8 @@ __all__ = [
     "Admin",
     "App",
     "AsyncAdmin",
+    "Batch",
+    "BatchCounts",
     "ClaimedJob",
     "ConfigurationError",
     "EnqueueError",
@@ -59,6 +62,8 @@ __all__ = [
     "WorkerOptions",
     "Workflow",
     "WorkflowRef",
+    "batch_counts",
+    "batch_counts_async",
     "cancel_requested",
     "chain",
     "chord",

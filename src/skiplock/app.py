@@ -12,6 +12,7 @@ from typing import Any, TypeVar, overload
 import psycopg
 
 from skiplock import client, routing
+from skiplock.batch import Batch
 from skiplock.config import (
     DEFAULT_SCHEMA,
     EMBEDDED,
@@ -152,6 +153,27 @@ class App:
         """A new workflow of this App's tasks: add steps, then ``enqueue(conn)``
         (skiplock/workflow.py, docs/decisions/024)."""
         return Workflow(name, app=self, run_anyway=run_anyway)
+
+    def batch(self, on_finish: JobSpec, *, name: str | None = None) -> Batch:
+        """A new batch whose callback ``on_finish`` runs once it is closed and every job
+        added has ended (skiplock/batch.py, docs/decisions/025). Written by its first
+        ``add`` or ``close``."""
+        self._check_batches()
+        return Batch(self, on_finish, name=name)
+
+    def batch_by_id(self, batch_id: int) -> Batch:
+        """The batch written earlier as ``batch_id``, to add jobs to it or close it."""
+        self._check_batches()
+        if not isinstance(batch_id, int) or isinstance(batch_id, bool) or batch_id < 1:
+            raise ConfigurationError(f"a batch id is a positive integer, got {batch_id!r}")
+        return Batch(self, None, batch_id=batch_id)
+
+    def _check_batches(self) -> None:
+        if self.queue_databases:
+            raise ConfigurationError(
+                "batches are not supported yet on an App with queue_databases: build the "
+                "batch on an App of the one database its jobs live on"
+            )
 
     def get_task(self, name: str) -> Task[Any]:
         try:

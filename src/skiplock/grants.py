@@ -126,6 +126,8 @@ TABLES: dict[str, dict[Use, tuple[str, ...]]] = {
 # its columns too, so the GRANT that follows decides alone.
 REVOKED: dict[str, tuple[str, ...]] = {"jobs": ("INSERT",)}
 
+_EVERY_USE = frozenset(Use)
+
 # Functions that are called (trigger functions are not: a trigger runs its function
 # without checking EXECUTE). Keyed by name, with the identity arguments.
 FUNCTIONS: dict[str, tuple[str, frozenset[Use]]] = {
@@ -146,7 +148,15 @@ FUNCTIONS: dict[str, tuple[str, frozenset[Use]]] = {
     "workflow_step_retried": ("retried bigint", frozenset({Use.WORKER, Use.ADMIN})),
     # A workflow from SQL (0023): SECURITY INVOKER, so PUBLIC keeps EXECUTE as well; the
     # caller's privileges on the tables decide.
-    "enqueue_workflow": ("workflow jsonb", frozenset({Use.WORKER, Use.ENQUEUE, Use.ADMIN})),
+    "enqueue_workflow": ("workflow jsonb", _EVERY_USE),
+    # Batches (0024): SECURITY DEFINER, they change the counts of an open batch only.
+    # batch_refuse only raises; it is called by the other two and keeps PUBLIC's EXECUTE.
+    "batch_reserve": (
+        "batch bigint, jobs integer",
+        frozenset({Use.WORKER, Use.ENQUEUE, Use.ADMIN}),
+    ),
+    "batch_close": ("batch bigint", frozenset({Use.WORKER, Use.ENQUEUE, Use.ADMIN})),
+    "batch_refuse": ("batch bigint, what text", frozenset({Use.WORKER, Use.ENQUEUE, Use.ADMIN})),
 }
 
 

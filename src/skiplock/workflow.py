@@ -379,9 +379,10 @@ def check_acyclic(parents: Sequence[Sequence[int]]) -> None:
         raise ConfigurationError(f"the workflow has a cycle through step {stuck}")
 
 
-def workflow_params(name: str | None, nodes: Sequence[_Node], run_anyway: bool) -> dict[str, Any]:
-    """WORKFLOW_INSERT's parameters: the steps as one JSON object of columns, parents and
-    children as arrays of step numbers (from 1) in PostgreSQL's text form, "{1,2}"."""
+def step_columns(nodes: Sequence[_Node], run_anyway: bool) -> dict[str, list[Any]]:
+    """The steps as one object of columns (sql.workflows._GIVEN reads it): an array per
+    column, parents and children as arrays of step numbers (from 1) in PostgreSQL's text
+    form, "{1,2}"."""
     children: list[list[str]] = [[] for _ in nodes]
     for index, node in enumerate(nodes):
         own = str(index + 1)
@@ -389,7 +390,7 @@ def workflow_params(name: str | None, nodes: Sequence[_Node], run_anyway: bool) 
             children[parent].append(own)
     specs = [node.spec for node in nodes]
     rates = [spec.key_rate or (None, None) for spec in specs]
-    given = {
+    return {
         "q": [s.queue for s in specs],
         "t": [s.task for s in specs],
         "a": [s.args_json for s in specs],
@@ -407,11 +408,15 @@ def workflow_params(name: str | None, nodes: Sequence[_Node], run_anyway: bool) 
         "up": ["{" + ",".join([str(p + 1) for p in node.parents]) + "}" for node in nodes],
         "down": ["{" + ",".join(own) + "}" for own in children],
     }
+
+
+def workflow_params(name: str | None, nodes: Sequence[_Node], run_anyway: bool) -> dict[str, Any]:
+    """WORKFLOW_INSERT's parameters."""
     return {
         "name": name,
         "options": json.dumps({"run_anyway": run_anyway}),
         "steps": len(nodes),
-        "given": json.dumps(given),
+        "given": json.dumps(step_columns(nodes, run_anyway)),
     }
 
 
@@ -470,30 +475,41 @@ def _running_app() -> tuple[App, int, str]:
     return apps[0], job.id, job.queue
 
 
+def running_step_rows(template: str, conn: psycopg.Connection[Any] | None) -> list[Any]:
+    """Rows of ``template`` for the running job (``%(id)s``), read through ``conn`` or a
+    short connection of the job's App."""
+    app, job_id, queue = _running_app()
+    statement = render(template, app.schema)
+    if conn is not None:
+        return conn.execute(statement, {"id": job_id}).fetchall()
+    with psycopg.connect(app.database_url_for(queue), autocommit=True) as own:
+        return own.execute(statement, {"id": job_id}).fetchall()
+
+
+async def running_step_rows_async(
+    template: str, conn: psycopg.AsyncConnection[Any] | None
+) -> list[Any]:
+    """``running_step_rows`` on an async connection."""
+    app, job_id, queue = _running_app()
+    statement = render(template, app.schema)
+    if conn is not None:
+        return await (await conn.execute(statement, {"id": job_id})).fetchall()
+    async with await psycopg.AsyncConnection.connect(
+        app.database_url_for(queue), autocommit=True
+    ) as own:
+        return await (await own.execute(statement, {"id": job_id})).fetchall()
+
+
 def parent_results(conn: psycopg.Connection[Any] | None = None) -> dict[str, Any]:
     """Inside a step: its parents' return values by step name, read from the database
     (``conn``, or a short connection of the step's App). A parent that ended dead or
     cancelled (a step that runs anyway) is a JobFailedError saying how; a job that is
     not a workflow step has no parents ({})."""
-    app, job_id, queue = _running_app()
-    statement = render(statements.STEP_PARENT_RESULTS, app.schema)
-    if conn is not None:
-        return _results(conn.execute(statement, {"id": job_id}).fetchall())
-    with psycopg.connect(app.database_url_for(queue), autocommit=True) as own:
-        return _results(own.execute(statement, {"id": job_id}).fetchall())
+    return _results(running_step_rows(statements.STEP_PARENT_RESULTS, conn))
 
 
 async def parent_results_async(
     conn: psycopg.AsyncConnection[Any] | None = None,
 ) -> dict[str, Any]:
     """``parent_results`` for async handlers."""
-    app, job_id, queue = _running_app()
-    statement = render(statements.STEP_PARENT_RESULTS, app.schema)
-    if conn is not None:
-        cur = await conn.execute(statement, {"id": job_id})
-        return _results(await cur.fetchall())
-    async with await psycopg.AsyncConnection.connect(
-        app.database_url_for(queue), autocommit=True
-    ) as own:
-        cur = await own.execute(statement, {"id": job_id})
-        return _results(await cur.fetchall())
+    return _results(await running_step_rows_async(statements.STEP_PARENT_RESULTS, conn))

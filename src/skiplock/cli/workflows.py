@@ -59,9 +59,15 @@ def workflow_view(workflow: dict[str, Any], steps: list[dict[str, Any]]) -> list
     """The workflow's header, then one line per step in dependency order, each indented
     under its first parent and naming its other parents."""
     done = workflow["steps"] - workflow["steps_left"]
+    options = workflow["options"] if isinstance(workflow["options"], dict) else {}
+    kind, note = "workflow", ""
+    if options.get("batch"):  # decision 025: step 1 is the callback
+        kind = "batch"
+        note = " (open: its callback also waits for the close)" if options.get("open") else ""
     lines = [
-        f"workflow {workflow['id']}"
+        f"{kind} {workflow['id']}"
         + (f" {workflow['name']!r}" if workflow["name"] else "")
+        + note
         + f": {workflow['state']}, {done}/{workflow['steps']} steps ended"
         + (f", {workflow['steps_failed']} failed" if workflow["steps_failed"] else ""),
         f"  created {_time(workflow['created_at'])}, finished {_time(workflow['finished_at'])}",

@@ -13,12 +13,9 @@ that ends a step's last parent does it (workflow_steps_end in 0022)."""
 # between, as for bulk enqueue's COPY), and the i-th id is step i's. Steps with parents
 # wait as 'waiting'; the others are written as any enqueue writes them. The insert
 # trigger wakes workers for the roots.
-WORKFLOW_INSERT = """
-WITH workflow AS (
-    INSERT INTO {workflows} (name, options, steps, steps_left)
-    VALUES (%(name)s, %(options)s::jsonb, %(steps)s, %(steps)s)
-    RETURNING id
-), doc AS (
+# The steps given, one row each (n from 1), from the JSON object of columns.
+_GIVEN = """
+doc AS (
     SELECT %(given)s::jsonb AS g
 ), given AS MATERIALIZED (
     SELECT u.*
@@ -40,14 +37,20 @@ WITH workflow AS (
                     jsonb_array_elements_text(doc.g -> 'up'),
                     jsonb_array_elements_text(doc.g -> 'down'))
          WITH ORDINALITY AS u(q, t, a, p, r, d, m, ok, kl, kr, kp, w, name, anyway, up, down, n)
-), inserted AS (
-    INSERT INTO {jobs} (queue, task, args, priority, run_at, state, max_attempts,
+)"""
+
+
+def _jobs_of_given(workflow_id: str) -> str:
+    """The given steps' jobs, in step order, and their ids in that order (``ids``)."""
+    return f"""
+inserted AS (
+    INSERT INTO {{jobs}} (queue, task, args, priority, run_at, state, max_attempts,
                         ordering_key, key_limit, key_rate, key_period, workflow_id)
     SELECT u.q, u.t, u.a::jsonb, u.p::smallint, l.due,
            CASE WHEN u.w::int > 0 THEN 'waiting'
                 WHEN u.ok IS NOT NULL THEN 'blocked'
                 WHEN l.due > now() THEN 'scheduled' ELSE 'available' END,
-           u.m::int, u.ok, u.kl::smallint, u.kr::int, u.kp::float8, (SELECT id FROM workflow)
+           u.m::int, u.ok, u.kl::smallint, u.kr::int, u.kp::float8, {workflow_id}
     FROM given AS u,
          LATERAL (SELECT COALESCE(u.r::timestamptz,
                                   now() + u.d::float8 * interval '1 second') AS due) AS l
@@ -55,8 +58,16 @@ WITH workflow AS (
     RETURNING id
 ), ids AS (
     SELECT array_agg(id ORDER BY id) AS ids FROM inserted
-), steps AS (
-    INSERT INTO {workflow_steps} (job_id, workflow_id, step, name, parents, children,
+)"""
+
+
+WORKFLOW_INSERT = f"""
+WITH workflow AS (
+    INSERT INTO {{workflows}} (name, options, steps, steps_left)
+    VALUES (%(name)s, %(options)s::jsonb, %(steps)s, %(steps)s)
+    RETURNING id
+), {_GIVEN}, {_jobs_of_given("(SELECT id FROM workflow)")}, steps AS (
+    INSERT INTO {{workflow_steps}} (job_id, workflow_id, step, name, parents, children,
                                   pending, run_anyway, key_limit, key_rate, key_period)
     SELECT ids.ids[u.n], (SELECT id FROM workflow), u.n, u.name, u.up::int[], u.down::int[],
            u.w::int, u.anyway::boolean, u.kl::smallint, u.kr::int, u.kp::float8
@@ -64,6 +75,37 @@ WITH workflow AS (
     RETURNING job_id
 )
 SELECT (SELECT id FROM workflow), (SELECT ids FROM ids), (SELECT count(*) FROM steps)
+"""
+
+# Jobs added to an open batch (migration 0024, decision 025): batch_reserve first (it
+# locks the callback's row, counts the jobs in and numbers their steps; it raises for a
+# batch closed or unknown), then the jobs and their steps, each a parent of the callback
+# (step 1), named after its task and its number. The jobs' insert reads the reserved
+# number, so the reservation runs before any job is written.
+BATCH_ADD = f"""
+WITH reserved AS MATERIALIZED (
+    SELECT {{schema}}.batch_reserve(%(batch)s, %(steps)s) AS first
+), {_GIVEN}, {_jobs_of_given("(SELECT %(batch)s::bigint FROM reserved)")}, steps AS (
+    INSERT INTO {{workflow_steps}} (job_id, workflow_id, step, name, parents, children,
+                                  pending, run_anyway, key_limit, key_rate, key_period)
+    SELECT ids.ids[u.n], %(batch)s, r.first + u.n - 1,
+           left(u.t, 240) || '#' || (r.first + u.n - 1), ARRAY[]::integer[], ARRAY[1], 0, false,
+           u.kl::smallint, u.kr::int, u.kp::float8
+    FROM ids, given AS u, reserved AS r
+    RETURNING job_id
+)
+SELECT (SELECT ids FROM ids), (SELECT count(*) FROM steps)
+"""
+
+BATCH_CLOSE = "SELECT {schema}.batch_close(%(batch)s)"
+
+# Inside a batch's callback: how its jobs ended (step 1 is the callback itself).
+BATCH_COUNTS = """
+SELECT s.outcome, count(*)
+FROM {workflow_steps} AS c
+JOIN {workflow_steps} AS s ON s.workflow_id = c.workflow_id AND s.step > 1
+WHERE c.job_id = %(id)s AND c.step = 1
+GROUP BY s.outcome
 """
 
 # A step's parents, by name, with how each ended: the result from history for a
