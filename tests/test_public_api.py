@@ -33,6 +33,8 @@ PUBLIC = [
     "WorkerOptions",
     "Workflow",
     "WorkflowRef",
+    "add_steps",
+    "add_steps_async",
     "batch_counts",
     "batch_counts_async",
     "cancel_requested",

@@ -3,6 +3,7 @@
 Enqueue in your own transaction; workers claim with FOR UPDATE SKIP LOCKED.
 """
 
+from skiplock.added_steps import add_steps, add_steps_async
 from skiplock.admin import Admin
 from skiplock.admin_async import AsyncAdmin
 from skiplock.app import App
@@ -62,6 +63,8 @@ __all__ = [
     "WorkerOptions",
     "Workflow",
     "WorkflowRef",
+    "add_steps",
+    "add_steps_async",
     "batch_counts",
     "batch_counts_async",
     "cancel_requested",

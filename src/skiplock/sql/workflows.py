@@ -97,6 +97,37 @@ WITH reserved AS MATERIALIZED (
 SELECT (SELECT ids FROM ids), (SELECT count(*) FROM steps)
 """
 
+# Steps added by a running step (migration 0025): workflow_steps_reserve has counted them
+# in and numbered them (%(numbers)s, in the order given); here their jobs, waiting for the
+# adder, and their rows: the adder their parent, the adder's children but those it added
+# theirs.
+STEPS_RESERVE = """
+SELECT step_name, step_number, existing
+FROM {schema}.workflow_steps_reserve(%(adder)s, %(attempt)s, %(names)s::text[])
+"""
+
+STEPS_ADD = f"""
+WITH adder AS MATERIALIZED (
+    SELECT s.workflow_id, s.step,
+           ARRAY(SELECT c.step FROM {{workflow_steps}} AS c
+                 WHERE c.workflow_id = s.workflow_id AND c.step = ANY(s.children)
+                   AND c.added_by IS DISTINCT FROM s.job_id
+                 ORDER BY c.step) AS after_it
+    FROM {{workflow_steps}} AS s
+    WHERE s.job_id = %(adder)s
+), {_GIVEN}, {_jobs_of_given("(SELECT workflow_id FROM adder)")}, steps AS (
+    INSERT INTO {{workflow_steps}} (job_id, workflow_id, step, name, parents, children,
+                                  pending, run_anyway, key_limit, key_rate, key_period,
+                                  added_by)
+    SELECT ids.ids[u.n], a.workflow_id, (%(numbers)s::integer[])[u.n], u.name, ARRAY[a.step],
+           a.after_it, 1, u.anyway::boolean, u.kl::smallint, u.kr::int, u.kp::float8,
+           %(adder)s
+    FROM ids, given AS u, adder AS a
+    RETURNING job_id
+)
+SELECT (SELECT ids FROM ids), (SELECT count(*) FROM steps)
+"""
+
 BATCH_CLOSE = "SELECT {schema}.batch_close(%(batch)s)"
 
 # Inside a batch's callback: how its jobs ended (step 1 is the callback itself).
