@@ -147,6 +147,7 @@ def test_overview_counts_each_state_per_queue(
         "running": "0",
         "retryable": "2",
         "blocked": "0",
+        "waiting": "0",
         "dead": "4",
     }
     assert cells(html, "reports")["blocked"] == "1"

@@ -31,7 +31,7 @@ from skiplock.outcomes import Outcome
 from skiplock.sql import metrics as metrics_sql
 from skiplock.sql import render
 from skiplock.tracing import error_class
-from skiplock.types import ClaimedJob
+from skiplock.types import LIVE_STATES, ClaimedJob
 
 # Where the figures read from the database come from (PrometheusMetrics' queue_gauges).
 QUEUE_GAUGE_MODES = ("leader", "always", "never")
@@ -267,7 +267,7 @@ class PrometheusMetrics(NullMetrics):
 
 
 # Every state a live job can be in, each reported for every queue seen (0 when none).
-GAUGE_STATES = ("blocked", "available", "scheduled", "running", "retryable", "dead")
+GAUGE_STATES = LIVE_STATES
 
 
 class _Gated:

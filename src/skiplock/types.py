@@ -33,6 +33,11 @@ class JobState(enum.StrEnum):
         return self.value
 
 
+# The states of rows in the jobs table (the others are in history), in a job's order.
+LIVE_STATES: tuple[str, ...] = tuple(
+    state.value for state in JobState if state not in (JobState.COMPLETED, JobState.CANCELLED)
+)
+
 JsonDict = dict[str, Any]
 
 

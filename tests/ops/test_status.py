@@ -83,6 +83,7 @@ def test_queue_stats_figures(ops: Ops) -> None:
     oldest = mail.pop("oldest_ready_seconds")
     assert mail == {
         "queue": "mail",
+        "waiting": 0,
         "blocked": 0,
         "available": 2,
         "scheduled": 2,
@@ -98,6 +99,7 @@ def test_queue_stats_figures(ops: Ops) -> None:
     assert 60.0 <= oldest < 60.0 + SLACK
     assert stats["sms"] == {
         "queue": "sms",
+        "waiting": 0,
         "blocked": 0,
         "available": 0,
         "scheduled": 0,
@@ -172,6 +174,7 @@ def test_an_expired_leader_row_is_no_leader(ops: Ops) -> None:
 
 QUEUE_KEYS = {
     "queue",
+    "waiting",
     "blocked",
     "available",
     "scheduled",
@@ -266,6 +269,7 @@ def test_status_table(ops: Ops, run_cli: Cli) -> None:
     lines = result.out.splitlines()
     assert lines[0].split() == [
         "queue",
+        "waiting",
         "blocked",
         "available",
         "scheduled",
@@ -279,8 +283,8 @@ def test_status_table(ops: Ops, run_cli: Cli) -> None:
         "workers",
     ]
     mail = next(line.split() for line in lines if line.startswith("mail"))
-    assert mail[:7] == ["mail", "0", "2", "2", "1", "2", "2"]
-    assert mail[8:] == ["4", "2", "2"]
+    assert mail[:8] == ["mail", "0", "0", "2", "2", "1", "2", "2"]
+    assert mail[9:] == ["4", "2", "2"]
     assert "3 workers" in lines
 
 

@@ -466,9 +466,9 @@ def test_status_counts_jobs_waiting_for_their_key(
 
     assert state_counts(sem) == {"blocked": 3, "available": 0, "running": 0}
     status = run_cli("status")
-    assert status.out.splitlines()[0].split()[:3] == ["queue", "blocked", "available"]
+    assert status.out.splitlines()[0].split()[:4] == ["queue", "waiting", "blocked", "available"]
     row = next(line.split() for line in status.out.splitlines() if line.startswith("default"))
-    assert row[1:5] == ["3", "0", "0", "0"]  # blocked, available, scheduled, running
+    assert row[1:6] == ["0", "3", "0", "0", "0"]  # waiting, blocked, available, scheduled, running
     listed = run_cli("jobs", "list", "--state", "blocked")
     assert [int(line.split()[0]) for line in listed.out.splitlines()[1:]] == ids
 

@@ -36,6 +36,20 @@ def test_list_and_show(sem: Sem, run_cli: RunCli) -> None:
     assert [step["name"] for step in as_json["steps"]] == ["fetch", "parse", "render"]
 
 
+def test_status_counts_waiting_steps(sem: Sem, run_cli: RunCli) -> None:
+    _waiting_chain(sem)
+    status = json.loads(run_cli("status", "--json").out)
+    default = next(q for q in status["queues"] if q["queue"] == "default")
+    assert (default["waiting"], default["available"]) == (2, 1)
+    table = run_cli("status").out.splitlines()
+    assert table[0].split()[:3] == ["queue", "waiting", "blocked"]
+    assert next(line for line in table if line.startswith("default")).split()[1:4] == [
+        "2",
+        "0",
+        "1",
+    ]
+
+
 def test_cancel_ends_every_step_and_the_workflow(sem: Sem, run_cli: RunCli) -> None:
     ref = _waiting_chain(sem)
     result = run_cli("workflows", "cancel", str(ref.id))

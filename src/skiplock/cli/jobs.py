@@ -13,9 +13,9 @@ from skiplock.admin import Admin
 from skiplock.app import App
 from skiplock.command_line import JOB_ID, count, seconds
 from skiplock.errors import ConfigurationError
-from skiplock.types import Job
+from skiplock.types import LIVE_STATES, Job
 
-STATES = ["waiting", "blocked", "scheduled", "available", "running", "retryable", "dead"]
+STATES = list(LIVE_STATES)
 
 
 def add_parser(sub: Any) -> None:

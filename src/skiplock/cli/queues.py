@@ -9,6 +9,7 @@ from skiplock.admin import Admin
 from skiplock.app import App
 from skiplock.command_line import CONCURRENCY
 from skiplock.tasks import parse_rate
+from skiplock.types import LIVE_STATES
 
 
 def add_parser(sub: Any) -> None:
@@ -89,10 +90,7 @@ def queue_table(stats: list[dict[str, Any]], settings: list[dict[str, Any]]) -> 
         row = by_name.get(name, {})
         setting = configured.get(name, {})
         ready = row.get("available", 0)
-        live = sum(
-            row.get(k, 0)
-            for k in ("blocked", "available", "scheduled", "running", "retryable", "dead")
-        )
+        live = sum(row.get(state, 0) for state in LIVE_STATES)
         lines.append(
             f"{name:<{width}}{'paused' if setting.get('paused') else 'active':<8}"
             f"{ready:>7}{row.get('running', 0):>9}{live:>7}{row.get('workers', 0):>9}  "

@@ -113,14 +113,14 @@ def _print_status(
     queues: list[dict[str, Any]], workers: list[dict[str, Any]], notes: list[str]
 ) -> None:
     print(
-        f"{'queue':<16}{'blocked':>8}{'available':>10}{'scheduled':>10}{'running':>8}"
+        f"{'queue':<16}{'waiting':>8}{'blocked':>8}{'available':>10}{'scheduled':>10}{'running':>8}"
         f"{'retryable':>10}"
         f"{'dead':>6}{'oldest ready':>13}{'done/1m':>9}{'failed/1m':>10}{'workers':>8}"
     )
     for row in queues:
         oldest = row["oldest_ready_seconds"]
         print(
-            f"{row['queue']:<16}{row['blocked']:>8}{row['available']:>10}{row['scheduled']:>10}"
+            f"{row['queue']:<16}{row['waiting']:>8}{row['blocked']:>8}{row['available']:>10}{row['scheduled']:>10}"
             f"{row['running']:>8}{row['retryable']:>10}{row['dead']:>6}"
             f"{(f'{oldest:.1f}s' if oldest is not None else '-'):>13}"
             f"{row['completed_last_minute']:>9}{row['failed_last_minute']:>10}"

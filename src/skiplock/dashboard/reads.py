@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg.rows import dict_row
 
+from skiplock import types
 from skiplock.errors import ConfigurationError
 from skiplock.sql import dashboard as dashboard_sql
 from skiplock.sql import render
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 Conn = psycopg.Connection[Any]
 
-LIVE_STATES = ("waiting", "blocked", "scheduled", "available", "running", "retryable", "dead")
+LIVE_STATES = types.LIVE_STATES
 FINISHED_STATES = ("completed", "cancelled")
 STATES = LIVE_STATES + FINISHED_STATES
 PAGE_SIZE = 50
@@ -206,9 +207,9 @@ def queue_counts(conn: Conn, schema: str) -> list[dict[str, Any]]:
 
 
 # A queue with settings but no jobs (paused while empty) still gets its row.
-_NO_JOBS: dict[str, Any] = dict.fromkeys(
-    ("blocked", "available", "scheduled", "running", "retryable", "dead", "workers"), 0
-) | {"oldest_ready_seconds": None}
+_NO_JOBS: dict[str, Any] = dict.fromkeys((*LIVE_STATES, "workers"), 0) | {
+    "oldest_ready_seconds": None
+}
 
 
 def _settable(queue: str) -> bool:

@@ -165,6 +165,7 @@ SELECT name, paused, concurrency_limit, rate_limit, rate_period FROM {queues} OR
 # gives an infinite age, where PostgreSQL before 17 cannot subtract it and fails the read.
 LIVE_QUEUE_COUNTS = """
     SELECT queue,
+           count(*) FILTER (WHERE state = 'waiting') AS waiting,
            count(*) FILTER (WHERE state = 'blocked') AS blocked,
            count(*) FILTER (WHERE state = 'available') AS available,
            count(*) FILTER (WHERE state = 'scheduled') AS scheduled,
@@ -191,6 +192,7 @@ SERVING_WORKERS = """
 # The columns of LIVE_QUEUE_COUNTS as read from ``live AS l`` beside other per-queue
 # figures: a queue that only those know of (no live jobs) counts zeros, not NULLs.
 LIVE_QUEUE_COLUMNS = """
+       coalesce(l.waiting, 0) AS waiting,
        coalesce(l.blocked, 0) AS blocked,
        coalesce(l.available, 0) AS available,
        coalesce(l.scheduled, 0) AS scheduled,
