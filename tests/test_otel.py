@@ -70,7 +70,7 @@ def attribute(span: ReadableSpan, name: str) -> Any:
 
 
 def trace_id_of(meta: dict[str, Any]) -> int:
-    context = stored_context(json.dumps(meta))
+    context, _ = stored_context(json.dumps(meta))
     assert context is not None
     from opentelemetry import trace  # noqa: PLC0415
 
@@ -104,6 +104,28 @@ def test_an_enqueue_is_a_producer_span_whose_context_is_stored_with_the_job(
     assert set(meta) == {"trace"}
     with psycopg.connect(app.database_url) as conn:  # and the arguments are untouched
         assert skiplock.client.get_job(conn, app.schema, job_id).args == {"to": "a@example.com"}
+
+
+def test_a_workflow_is_one_send_span_and_each_step_links_to_it_naming_the_workflow(
+    app: skiplock.App, traces: Traces, start_worker: StartWorker
+) -> None:
+    instrument(app, traces.provider)
+    step = app.task(name="step")(lambda n: n)
+
+    with psycopg.connect(app.database_url) as conn:
+        ref = skiplock.chain(step.job(n=1), step.job(n=2), app=app).enqueue(conn)
+        conn.commit()
+    send = traces.one("send default")
+    assert attribute(send, "messaging.batch.message_count") == 2
+    worker = start_worker(app, **FAST)
+    wait_until(lambda: len(traces.spans("process default")) == 2, what="both steps to run")
+    worker.stop()
+
+    assert send.context is not None
+    for process in traces.spans("process default"):
+        assert attribute(process, "skiplock.workflow.id") == ref.id
+        assert [link.context.span_id for link in process.links] == [send.context.span_id]
+    assert stored_context('{"workflow": true}') == (None, None)  # written by hand: ignored
 
 
 def test_without_tracing_nothing_is_stored(app: skiplock.App) -> None:

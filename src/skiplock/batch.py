@@ -104,6 +104,7 @@ class Batch:
             "options": json.dumps({"run_anyway": True, "batch": True, "open": True}),
             "steps": 1,
             "given": json.dumps(given),
+            "meta": None,
         }
         return render(statements.WORKFLOW_INSERT, self.app.schema), params
 

@@ -13,9 +13,11 @@ execute (house rule 2: no logic twice).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
@@ -28,6 +30,7 @@ from skiplock.results import JobRef
 from skiplock.sql import render
 from skiplock.sql import workflows as statements
 from skiplock.tasks import MAX_TASK_NAME, JobSpec
+from skiplock.tracing import Send
 
 if TYPE_CHECKING:
     from skiplock.app import App
@@ -297,17 +300,32 @@ class Workflow:
         check_acyclic([node.parents for node in self._nodes])
         return workflow_params(self.name, self._nodes, self.run_anyway)
 
+    def _traced(self, app: App) -> AbstractContextManager[Send | None]:
+        """The send span of the whole workflow, when ``app`` traces; its context goes in
+        every step's meta, so that each step's process span links to it."""
+        if app.tracing is None:
+            return contextlib.nullcontext()
+        queues = set(self._queues())
+        return app.tracing.send(
+            queues.pop() if len(queues) == 1 else None, None, len(self._nodes), batch=True
+        )
+
     def enqueue(self, conn: psycopg.Connection[Any]) -> WorkflowRef:
         """Write the workflow in ``conn``'s transaction, in one statement (never commits)."""
         app = owner = self._owner()
         params = self._params()
         if app.queue_databases:  # every step on conn's database; refs wait there
             owner = app._result_app(app._route(conn, self._queues()))
-        try:
-            cur = conn.execute(render(statements.WORKFLOW_INSERT, app.schema), params)
-        except SCHEMA_MISSING as exc:
-            raise schema_not_ready(app.schema, exc) from exc
-        return self._enqueued_as(owner, cur.fetchone())
+        with self._traced(app) as send:
+            params["meta"] = send.meta_json if send is not None else None
+            try:
+                cur = conn.execute(render(statements.WORKFLOW_INSERT, app.schema), params)
+            except SCHEMA_MISSING as exc:
+                raise schema_not_ready(app.schema, exc) from exc
+            ref = self._enqueued_as(owner, cur.fetchone())
+            if send is not None:
+                send.sent(list(ref.steps.values()))
+        return ref
 
     async def enqueue_async(self, conn: psycopg.AsyncConnection[Any]) -> WorkflowRef:
         """``enqueue`` on an async connection."""
@@ -315,11 +333,16 @@ class Workflow:
         params = self._params()
         if app.queue_databases:
             owner = app._result_app(await app._route_async(conn, self._queues()))
-        try:
-            cur = await conn.execute(render(statements.WORKFLOW_INSERT, app.schema), params)
-        except SCHEMA_MISSING as exc:
-            raise schema_not_ready(app.schema, exc) from exc
-        return self._enqueued_as(owner, await cur.fetchone())
+        with self._traced(app) as send:
+            params["meta"] = send.meta_json if send is not None else None
+            try:
+                cur = await conn.execute(render(statements.WORKFLOW_INSERT, app.schema), params)
+            except SCHEMA_MISSING as exc:
+                raise schema_not_ready(app.schema, exc) from exc
+            ref = self._enqueued_as(owner, await cur.fetchone())
+            if send is not None:
+                send.sent(list(ref.steps.values()))
+        return ref
 
     def _queues(self) -> list[str]:
         return sorted({node.spec.queue for node in self._nodes})

@@ -101,7 +101,7 @@ class OpenTelemetryTracing(Tracing):
 
     @contextmanager
     def process(self, job: ClaimedJob, attempt: int) -> Iterator[Process]:
-        stored = stored_context(job.meta)
+        stored, workflow = stored_context(job.meta)
         links: list[Link] = []
         # Not the worker's own context: whatever a previous job left current in this
         # thread must not become this one's parent.
@@ -126,6 +126,7 @@ class OpenTelemetryTracing(Tracing):
                 "messaging.message.id": str(job.id),
                 "skiplock.task": job.task,
                 "skiplock.attempt": attempt,
+                **({"skiplock.workflow.id": workflow} if workflow is not None else {}),
             },
             record_exception=False,
             set_status_on_exception=False,
@@ -146,18 +147,23 @@ class OpenTelemetryTracing(Tracing):
                 raise
 
 
-def stored_context(meta: str | None) -> otel_context.Context | None:
-    """The trace context a send stored in a job's meta, or None. A row written by hand
-    may hold anything there: what cannot be read is ignored, never fatal to the job."""
+def stored_context(meta: str | None) -> tuple[otel_context.Context | None, int | None]:
+    """The trace context a send stored in a job's meta, and the id of the workflow the job
+    is a step of (sql.workflows); None for what is not there. A row written by hand may
+    hold anything in meta: what cannot be read is ignored, never fatal to the job."""
     if not meta:
-        return None
+        return None, None
     try:
-        carrier = json.loads(meta).get(META_KEY)
+        stored = json.loads(meta)
+        carrier = stored.get(META_KEY)
+        workflow = stored.get("workflow")
     except (ValueError, AttributeError, RecursionError):
-        return None
+        return None, None
+    if not isinstance(workflow, int) or isinstance(workflow, bool):
+        workflow = None
     if not isinstance(carrier, dict):
-        return None
-    return propagate.extract({str(k): str(v) for k, v in carrier.items()})
+        return None, workflow
+    return propagate.extract({str(k): str(v) for k, v in carrier.items()}), workflow
 
 
 def instrument(

@@ -40,17 +40,17 @@ doc AS (
 )"""
 
 
-def _jobs_of_given(workflow_id: str) -> str:
+def _jobs_of_given(workflow_id: str, meta: str = "NULL") -> str:
     """The given steps' jobs, in step order, and their ids in that order (``ids``)."""
     return f"""
 inserted AS (
     INSERT INTO {{jobs}} (queue, task, args, priority, run_at, state, max_attempts,
-                        ordering_key, key_limit, key_rate, key_period, workflow_id)
+                        ordering_key, key_limit, key_rate, key_period, workflow_id, meta)
     SELECT u.q, u.t, u.a::jsonb, u.p::smallint, l.due,
            CASE WHEN u.w::int > 0 THEN 'waiting'
                 WHEN u.ok IS NOT NULL THEN 'blocked'
                 WHEN l.due > now() THEN 'scheduled' ELSE 'available' END,
-           u.m::int, u.ok, u.kl::smallint, u.kr::int, u.kp::float8, {workflow_id}
+           u.m::int, u.ok, u.kl::smallint, u.kr::int, u.kp::float8, {workflow_id}, {meta}
     FROM given AS u,
          LATERAL (SELECT COALESCE(u.r::timestamptz,
                                   now() + u.d::float8 * interval '1 second') AS due) AS l
@@ -61,12 +61,16 @@ inserted AS (
 )"""
 
 
+# With tracing on, each step's meta: the send span's context (tracing.Send.meta_json) and
+# the workflow's id, for the process span's attribute. NULL otherwise, as for any job.
+_TRACED = "%(meta)s::jsonb || jsonb_build_object('workflow', (SELECT id FROM workflow))"
+
 WORKFLOW_INSERT = f"""
 WITH workflow AS (
     INSERT INTO {{workflows}} (name, options, steps, steps_left)
     VALUES (%(name)s, %(options)s::jsonb, %(steps)s, %(steps)s)
     RETURNING id
-), {_GIVEN}, {_jobs_of_given("(SELECT id FROM workflow)")}, steps AS (
+), {_GIVEN}, {_jobs_of_given("(SELECT id FROM workflow)", _TRACED)}, steps AS (
     INSERT INTO {{workflow_steps}} (job_id, workflow_id, step, name, parents, children,
                                   pending, run_anyway, key_limit, key_rate, key_period)
     SELECT ids.ids[u.n], (SELECT id FROM workflow), u.n, u.name, u.up::int[], u.down::int[],
