@@ -151,12 +151,19 @@ FUNCTIONS: dict[str, tuple[str, frozenset[Use]]] = {
     "enqueue_workflow": ("workflow jsonb", _EVERY_USE),
     # Batches (0024): SECURITY DEFINER, they change the counts of an open batch only.
     # batch_refuse only raises; it is called by the other two and keeps PUBLIC's EXECUTE.
-    "batch_reserve": (
-        "batch bigint, jobs integer",
-        frozenset({Use.WORKER, Use.ENQUEUE, Use.ADMIN}),
+    "batch_reserve": ("batch bigint, jobs integer", _EVERY_USE),
+    "batch_close": ("batch bigint", _EVERY_USE),
+    "batch_refuse": ("batch bigint, what text", _EVERY_USE),
+    # Steps added at run time (0025): SECURITY DEFINER, fenced by the adder's attempt.
+    "workflow_steps_reserve": (
+        "adder bigint, attempt integer, names text[]",
+        frozenset({Use.WORKER, Use.ADMIN}),
     ),
-    "batch_close": ("batch bigint", frozenset({Use.WORKER, Use.ENQUEUE, Use.ADMIN})),
-    "batch_refuse": ("batch bigint, what text", frozenset({Use.WORKER, Use.ENQUEUE, Use.ADMIN})),
+    # Ended workflows pruned with history (0026): by the leader and `skiplock prune`.
+    "workflows_prune": (
+        "ended_before timestamp with time zone, most integer",
+        frozenset({Use.WORKER, Use.ADMIN}),
+    ),
 }
 
 

@@ -31,6 +31,7 @@ class HistoryReport:
     created: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     pruned_rows: int = 0
+    pruned_workflows: int = 0
     expired_windows: int = 0
     skipped: list[str] = field(default_factory=list)
 
@@ -87,8 +88,8 @@ def maintain(
     retention: timedelta | None,
     now: datetime | None = None,
 ) -> HistoryReport:
-    """Create partitions ahead, drop expired ones, prune the DEFAULT partition, and delete
-    unique windows that have passed.
+    """Create partitions ahead, drop expired ones, prune the DEFAULT partition and the
+    workflows that ended before the retention, and delete unique windows that have passed.
 
     ``conn`` must be in autocommit mode. ``retention`` None keeps history forever.
     """
@@ -123,6 +124,15 @@ def maintain(
             )
             report.pruned_rows += cur.rowcount
             if cur.rowcount < PRUNE_BATCH:
+                break
+        workflows = render(history.WORKFLOWS_PRUNE_BATCH, schema)
+        while True:
+            row = conn.execute(
+                workflows, {"ended_before": now - retention, "batch": PRUNE_BATCH}
+            ).fetchone()
+            pruned = int(row[0]) if row else 0
+            report.pruned_workflows += pruned
+            if pruned < PRUNE_BATCH:
                 break
     conn.execute(render(keys.KEY_RATES_PRUNE, schema))
     windows = render(history.UNIQUE_WINDOWS_PRUNE_BATCH, schema)

@@ -289,6 +289,41 @@ def test_a_worker_role_skips_a_locked_partition_as_the_owner_would(
         reader.rollback()
 
 
+def test_workflows_that_ended_before_the_retention_go_with_their_steps(
+    ops: Ops, worker_conn: psycopg.Connection[Any]
+) -> None:
+    """Run by the worker's role, which may not delete from the workflow tables itself.
+    Running workflows stay however old; ended ones stay until the retention has passed."""
+    now = at(today(ops) + 30 * DAY)
+    made = {}
+    for label, state, ended_days_ago in (
+        ("old", "completed", 20),
+        ("old failed", "failed", 15),
+        ("recent", "completed", 2),
+        ("running", "running", None),
+    ):
+        finished = None if ended_days_ago is None else now - timedelta(days=ended_days_ago)
+        row = ops.rows(
+            "INSERT INTO {workflows} (name, state, steps, steps_left, created_at, finished_at) "
+            "VALUES (%s, %s, 2, %s, %s, %s) RETURNING id",
+            (label, state, 2 if finished is None else 0, now - timedelta(days=40), finished),
+        )
+        made[label] = row[0][0]
+        ops.rows(
+            "INSERT INTO {workflow_steps} (job_id, workflow_id, step, name) "
+            "SELECT %s * 10 + n, %s, n, 's' || n FROM generate_series(1, 2) AS n",
+            (made[label], made[label]),
+        )
+
+    report = history.maintain(worker_conn, ops.schema, retention=timedelta(days=7), now=now)
+
+    assert report.pruned_workflows == 2
+    left = ops.rows("SELECT name FROM {workflows} ORDER BY id")
+    assert [r[0] for r in left] == ["recent", "running"]
+    steps = ops.rows("SELECT DISTINCT workflow_id FROM {workflow_steps} ORDER BY 1")
+    assert [r[0] for r in steps] == [made["recent"], made["running"]]
+
+
 # -- skiplock prune --------------------------------------------------------------------
 
 
@@ -301,7 +336,7 @@ def test_prune_creates_a_missing_partition(ops: Ops, run_cli: Cli) -> None:
     assert result.code == 0
     assert result.out.strip() == (
         f"history partitions created: {tomorrow}; dropped: none; "
-        "rows pruned from the default partition: 0"
+        "rows pruned from the default partition: 0; ended workflows pruned: 0"
     )
     assert tomorrow in partitions(ops)
 
@@ -313,7 +348,9 @@ def test_prune_with_retention_days_prunes_default(ops: Ops, run_cli: Cli) -> Non
     result = run_cli("prune", "--retention-days", "14")
 
     assert result.code == 0
-    assert result.out.strip().endswith("rows pruned from the default partition: 3")
+    assert result.out.strip().endswith(
+        "rows pruned from the default partition: 3; ended workflows pruned: 0"
+    )
     assert in_default(ops) == 1
 
 

@@ -83,7 +83,8 @@ def run_prune(args: argparse.Namespace) -> int:
     print(
         f"history partitions created: {', '.join(report.created) or 'none'}; "
         f"dropped: {', '.join(report.dropped) or 'none'}; "
-        f"rows pruned from the default partition: {report.pruned_rows}"
+        f"rows pruned from the default partition: {report.pruned_rows}; "
+        f"ended workflows pruned: {report.pruned_workflows}"
         + (f"; skipped (locked or in use): {', '.join(report.skipped)}" if report.skipped else "")
     )
     return 0

@@ -46,6 +46,10 @@ WHERE ctid = ANY(ARRAY(
 # deleted: an enqueue may re-take a key (ON CONFLICT DO UPDATE) after the batch was read,
 # and the delete, waiting on that row, then rechecks its WHERE against the new version,
 # which must not go.
+# Ended workflows and their steps' rows, a batch at a time (0026's function: the worker's
+# role may not delete them itself).
+WORKFLOWS_PRUNE_BATCH = "SELECT {schema}.workflows_prune(%(ended_before)s, %(batch)s)"
+
 UNIQUE_WINDOWS_PRUNE_BATCH = """
 DELETE FROM {unique_windows}
 WHERE key = ANY(ARRAY(

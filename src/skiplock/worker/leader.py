@@ -245,12 +245,13 @@ class History(LeaderService):
             return
         self._next = now + self._every
         report = await asyncio.to_thread(self._maintain)
-        if report.created or report.dropped or report.pruned_rows:
+        if report.created or report.dropped or report.pruned_rows or report.pruned_workflows:
             log.info(
-                "history: created %s, dropped %s, pruned %d rows",
+                "history: created %s, dropped %s, pruned %d rows and %d ended workflows",
                 report.created,
                 report.dropped,
                 report.pruned_rows,
+                report.pruned_workflows,
             )
 
     def _maintain(self) -> history.HistoryReport:
