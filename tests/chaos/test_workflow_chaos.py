@@ -1,5 +1,6 @@
 """Workflows under chaos (issue 23): chains, diamonds, chords and one large fan-in, drained
-by four worker processes while one of them is SIGKILLed every second.
+by four worker processes while one of them is SIGKILLed every second, or while the server
+crashes and comes back (a private PostgreSQL 18).
 
 What every chaos scenario checks holds for each step (none lost, none completed twice,
 every re-run explained by a kill). Besides: every workflow ends completed, and no step
@@ -15,17 +16,40 @@ of 100 parents; with ``scripts/chaos --jobs 20000``, 200 workflows and 1,000 par
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 
 import pytest
 
 import skiplock
+from conftest import wait_until
 
 from .chaos_app import app, work_async, work_sync
-from .conftest import DEFAULT_JOBS, JOBS, SCHEMA, ChaosDatabase, Fleet, record_figures
-from .test_chaos import drain, judge, registered_choice, scenario_figures
+from .conftest import (
+    DEFAULT_JOBS,
+    JOBS,
+    SCHEMA,
+    ChaosDatabase,
+    Fleet,
+    PrivateServer,
+    record_figures,
+    utcnow,
+)
+from .test_chaos import (
+    DOWNTIME,
+    DRAIN_DEADLINE,
+    LOST_CLAIM,
+    POLL,
+    TIMEOUT,
+    Verdict,
+    drain,
+    explain_lost_claims,
+    judge,
+    registered_choice,
+    scenario_figures,
+)
 
 pytestmark = pytest.mark.chaos
 
@@ -115,8 +139,20 @@ def test_workflows_under_sigkill_every_second_release_each_step_once_after_its_p
     assert verdict.completed == len(ids) and verdict.dead == 0
     assert any(e.kind == "kill" for e in fleet.events), "the queue drained before the first kill"
 
+    assert_released_in_order(chaos_db, built, refs, verdict)
+    figures = scenario_figures("workflows", verdict, fleet, seed)
+    figures.update(workflows=len(refs), fan_in=FAN_IN, steps=len(ids))
+    record_figures(figures)
+
+
+def assert_released_in_order(
+    db: ChaosDatabase, built: Built, refs: list[skiplock.WorkflowRef], verdict: Verdict
+) -> None:
+    """No step started before each of its parents had completed, and every workflow
+    ended completed, with no step left."""
+    ids = [int(ref) for wf in refs for ref in wf.steps.values()]
     finished: dict[int, datetime] = dict(
-        chaos_db.conn.execute(
+        db.conn.execute(
             f"SELECT id, finished_at FROM {SCHEMA}.job_history WHERE id = ANY(%s)", (ids,)
         ).fetchall()
     )
@@ -126,14 +162,57 @@ def test_workflows_under_sigkill_every_second_release_each_step_once_after_its_p
         if min(e.started for e in verdict.executions[child]) <= finished[parent]
     ]
     assert early == [], f"steps started before a parent completed: {early[:10]}"
-
-    states = chaos_db.conn.execute(
+    states = db.conn.execute(
         f"SELECT state, steps_left, count(*) FROM {SCHEMA}.workflows WHERE id = ANY(%s)"
         " GROUP BY state, steps_left",
         ([ref.id for ref in refs],),
     ).fetchall()
     assert states == [("completed", 0, len(refs))], states
 
-    figures = scenario_figures("workflows", verdict, fleet, seed)
-    figures.update(workflows=len(refs), fan_in=FAN_IN, steps=len(ids))
+
+@pytest.mark.timeout(TIMEOUT)
+def test_workflows_ride_out_a_server_restart_mid_drain(
+    private_db: tuple[PrivateServer, ChaosDatabase],
+    fleet_factory: Callable[[str], Fleet],
+    seed: int,
+) -> None:
+    """The server crashes (immediate shutdown: no checkpoint, every session cut) with a
+    third of the steps done; every step still runs, none before its parents, and every
+    workflow completes. Re-runs are explained by the crash: attempts whose workers lost
+    their sessions, and claims whose answers were lost with them."""
+    server, db = private_db
+    fleet = fleet_factory(db.url)
+    rng = random.Random(seed)
+    built = build(rng)
+    fleet.start_many(WORKERS, db.conn, concurrency=CONCURRENCY, lease=6.0)
+    with db.conn.transaction():
+        refs = [workflow.enqueue(db.conn) for workflow in built.workflows]
+    ids = [int(ref) for wf in refs for ref in wf.steps.values()]
+    wait_until(
+        lambda: db.scalar(f"SELECT count(*) FROM {SCHEMA}.job_history") >= len(ids) // 3,
+        DRAIN_DEADLINE,
+        interval=POLL,
+        what="a third of the steps to complete",
+        check=fleet.check,
+    )
+    for worker in fleet.workers:
+        fleet.record("cut", worker.pid, "server stop")
+    crashed_at = utcnow()
+    server.crash()
+    time.sleep(DOWNTIME)  # the outage's length: the chaos's schedule, not a wait
+    fleet.check()
+    server.start()
+    db.reconnect()
+    drain(db, fleet)
+
+    verdict = judge(db, ids)
+    lost_claims = explain_lost_claims(verdict, crashed_at)
+    verdict.assert_sound(
+        allowed={"WorkerLost", "LeaseExpired", "Reconciled", LOST_CLAIM},
+        culprits={"WorkerLost": {w.pid for w in fleet.workers}},
+    )
+    assert verdict.completed == len(ids) and verdict.dead == 0
+    assert_released_in_order(db, built, refs, verdict)
+    figures = scenario_figures("workflows-restart", verdict, fleet, seed)
+    figures.update(workflows=len(refs), steps=len(ids), claims_lost_in_crash=lost_claims)
     record_figures(figures)
