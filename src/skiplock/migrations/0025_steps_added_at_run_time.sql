@@ -48,9 +48,11 @@ BEGIN
         RAISE EXCEPTION 'job % is no longer running as attempt % (its lease was lost, or it '
             'ended): the steps it adds are refused', adder, attempt USING ERRCODE = '55000';
     END IF;
-    PERFORM 1 FROM workflow_steps AS c
-    WHERE c.workflow_id = owner AND c.step = ANY(own_children) AND c.outcome IS NULL
-    ORDER BY c.job_id FOR UPDATE;
+    -- Children joined on their numbers: one index lookup each (0027).
+    PERFORM 1 FROM unnest(own_children) AS n(step)
+    JOIN workflow_steps AS c ON c.workflow_id = owner AND c.step = n.step
+    WHERE c.outcome IS NULL
+    ORDER BY c.job_id FOR UPDATE OF c;
     PERFORM 1 FROM workflows WHERE id = owner FOR UPDATE;
 
     fresh := ARRAY(SELECT n FROM unnest(names) WITH ORDINALITY AS u(n, i)
@@ -68,10 +70,11 @@ BEGIN
         END IF;
         numbers := ARRAY(SELECT first_step + i - 1 FROM generate_series(1, cardinality(fresh)) AS i);
         -- What ran after the adder runs after the new steps too.
-        UPDATE workflow_steps
-        SET pending = pending + cardinality(fresh), parents = parents || numbers
-        WHERE workflow_id = owner AND step = ANY(own_children) AND outcome IS NULL
-          AND added_by IS DISTINCT FROM adder;
+        UPDATE workflow_steps AS c
+        SET pending = c.pending + cardinality(fresh), parents = c.parents || numbers
+        FROM unnest(own_children) AS n(step)
+        WHERE c.workflow_id = owner AND c.step = n.step AND c.outcome IS NULL
+          AND c.added_by IS DISTINCT FROM adder;
         UPDATE workflow_steps SET children = children || numbers WHERE job_id = adder;
     END IF;
     RETURN QUERY

@@ -113,9 +113,11 @@ FROM {schema}.workflow_steps_reserve(%(adder)s, %(attempt)s, %(names)s::text[])
 STEPS_ADD = f"""
 WITH adder AS MATERIALIZED (
     SELECT s.workflow_id, s.step,
-           ARRAY(SELECT c.step FROM {{workflow_steps}} AS c
-                 WHERE c.workflow_id = s.workflow_id AND c.step = ANY(s.children)
-                   AND c.added_by IS DISTINCT FROM s.job_id
+           ARRAY(SELECT c.step
+                 FROM unnest(s.children) AS n(step)
+                 JOIN {{workflow_steps}} AS c
+                     ON c.workflow_id = s.workflow_id AND c.step = n.step
+                 WHERE c.added_by IS DISTINCT FROM s.job_id
                  ORDER BY c.step) AS after_it
     FROM {{workflow_steps}} AS s
     WHERE s.job_id = %(adder)s
