@@ -13,12 +13,30 @@ that ends a step's last parent does it (workflow_steps_end in 0022)."""
 # between, as for bulk enqueue's COPY), and the i-th id is step i's. Steps with parents
 # wait as 'waiting'; the others are written as any enqueue writes them. The insert
 # trigger wakes workers for the roots.
-# The steps given, one row each (n from 1), from the JSON object of columns.
+# The steps given, one row each (n from 1), from the JSON object of columns. A column whose
+# value is the same for every step comes once, under "all" (workflow.step_columns): ROWS
+# FROM pads the missing array with NULLs, and the value fills them.
 _GIVEN = """
 doc AS (
     SELECT %(given)s::jsonb AS g
 ), given AS MATERIALIZED (
-    SELECT u.*
+    SELECT coalesce(u.q, doc.g #>> '{{all,q}}') AS q,
+           coalesce(u.t, doc.g #>> '{{all,t}}') AS t,
+           coalesce(u.a, doc.g #>> '{{all,a}}') AS a,
+           coalesce(u.p, doc.g #>> '{{all,p}}') AS p,
+           coalesce(u.r, doc.g #>> '{{all,r}}') AS r,
+           coalesce(u.d, doc.g #>> '{{all,d}}') AS d,
+           coalesce(u.m, doc.g #>> '{{all,m}}') AS m,
+           coalesce(u.ok, doc.g #>> '{{all,ok}}') AS ok,
+           coalesce(u.kl, doc.g #>> '{{all,kl}}') AS kl,
+           coalesce(u.kr, doc.g #>> '{{all,kr}}') AS kr,
+           coalesce(u.kp, doc.g #>> '{{all,kp}}') AS kp,
+           coalesce(u.w, doc.g #>> '{{all,w}}') AS w,
+           coalesce(u.name, doc.g #>> '{{all,name}}') AS name,
+           coalesce(u.anyway, doc.g #>> '{{all,anyway}}') AS anyway,
+           coalesce(u.up, doc.g #>> '{{all,up}}') AS up,
+           coalesce(u.down, doc.g #>> '{{all,down}}') AS down,
+           u.n
     FROM doc,
          ROWS FROM (jsonb_array_elements_text(doc.g -> 'q'),
                     jsonb_array_elements_text(doc.g -> 't'),
