@@ -10,6 +10,12 @@
 -- must not talk the planner into reading it whole. Otherwise they are 0022's.
 SELECT set_config('search_path', format('%I, pg_temp', current_schema()), true);
 
+-- Room on each page for every step row to be written once more (its outcome) as a HOT
+-- update, without new index entries: at 80% most steps' ends moved their row to another
+-- page and indexed it again. Measured, 100 workflows of 100 steps drained by one worker:
+-- 1.26 s at 80%, 1.05 s at 50%. New pages only; SHARE UPDATE EXCLUSIVE blocks no write.
+ALTER TABLE workflow_steps SET (fillfactor = 50);
+
 CREATE OR REPLACE FUNCTION workflow_steps_end(ended bigint[], outcomes text[]) RETURNS void
 LANGUAGE plpgsql
 SECURITY DEFINER
