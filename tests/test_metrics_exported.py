@@ -286,7 +286,26 @@ def test_the_exporter_has_only_the_database_figures(app: skiplock.App) -> None:
         "skiplock_enqueued_jobs",
         "skiplock_workers",
         "skiplock_workers_slots",
+        "skiplock_workflows",
     }
+
+
+def test_workflows_are_counted_per_state_and_their_waiting_steps_as_waiting(
+    app: skiplock.App,
+) -> None:
+    step = app.task(name="step", queue="flow")(lambda: None)
+    with psycopg.connect(app.database_url) as conn:
+        skiplock.chain(step.job(), step.job(), step.job(), app=app).enqueue(conn)
+        cancelled = skiplock.chain(step.job(), step.job(), app=app).enqueue(conn)
+        conn.commit()
+    with psycopg.connect(app.database_url, autocommit=True) as conn:
+        skiplock.Admin(app, conn).cancel_jobs([int(ref) for ref in cancelled.steps.values()])
+    registry = exporter_registry(app.database_url, app.schema, 0)
+
+    assert sample(registry, "skiplock_workflows", state="running") == 1
+    assert sample(registry, "skiplock_workflows", state="failed") == 1  # its steps cancelled
+    assert sample(registry, "skiplock_workflows", state="completed") == 0
+    assert sample(registry, "skiplock_queue_jobs", queue="flow", state="waiting") == 2
 
 
 def free_port() -> int:

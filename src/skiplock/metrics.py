@@ -31,7 +31,7 @@ from skiplock.outcomes import Outcome
 from skiplock.sql import metrics as metrics_sql
 from skiplock.sql import render
 from skiplock.tracing import error_class
-from skiplock.types import LIVE_STATES, ClaimedJob
+from skiplock.types import LIVE_STATES, WORKFLOW_STATES, ClaimedJob
 
 # Where the figures read from the database come from (PrometheusMetrics' queue_gauges).
 QUEUE_GAUGE_MODES = ("leader", "always", "never")
@@ -294,6 +294,7 @@ class QueueCollector:
         self._url = database_url
         self._sql = render(metrics_sql.QUEUE_GAUGES, schema)
         self._totals_sql = render(metrics_sql.ENQUEUED_AND_WORKERS, schema)
+        self._workflows_sql = render(metrics_sql.WORKFLOW_GAUGES, schema)
         self._table = f'"{schema}".jobs'
         self._refresh_seconds = refresh_seconds
         self._lock = threading.Lock()
@@ -301,6 +302,8 @@ class QueueCollector:
         self._rows: list[tuple[str, str, int, float | None]] = []
         # (ids drawn, workers registered, their slots), or None when the read failed.
         self._totals: tuple[int | None, int, int] | None = None
+        # Workflows per state, or None when the read failed (a role without the table).
+        self._workflows: dict[str, int] | None = None
         self.refreshes = 0  # statements run, for tests and curious operators
 
     def _current(self) -> list[tuple[str, str, int, float | None]]:
@@ -311,7 +314,7 @@ class QueueCollector:
             if self._read_at is None or now - self._read_at >= self._refresh_seconds:
                 self._read_at = now
                 self.refreshes += 1
-                self._rows, self._totals = [], None
+                self._rows, self._totals, self._workflows = [], None, None
                 try:
                     with psycopg.connect(
                         self._url,
@@ -325,6 +328,9 @@ class QueueCollector:
                             row = conn.execute(self._totals_sql, {"table": self._table}).fetchone()
                             if row is not None:
                                 self._totals = (row[0], int(row[1]), int(row[2]))
+                        with contextlib.suppress(psycopg.Error):
+                            rows = conn.execute(self._workflows_sql).fetchall()
+                            self._workflows = {str(state): int(n) for state, n in rows}
                 except psycopg.Error:
                     pass
             return self._rows
@@ -366,3 +372,13 @@ class QueueCollector:
             yield GaugeMetricFamily(
                 "skiplock_workers_slots", "Slots of the registered workers, summed", value=slots
             )
+        workflows = self._workflows
+        if workflows is not None:
+            by_state = GaugeMetricFamily(
+                "skiplock_workflows",
+                "Workflows and batches per state (ended ones until pruned with history)",
+                labels=["state"],
+            )
+            for state in WORKFLOW_STATES:
+                by_state.add_metric([state], workflows.get(state, 0))
+            yield by_state

@@ -38,6 +38,9 @@ LIVE_STATES: tuple[str, ...] = tuple(
     state.value for state in JobState if state not in (JobState.COMPLETED, JobState.CANCELLED)
 )
 
+# What a workflow is in (migration 0022's workflows.state): running until its last step ends.
+WORKFLOW_STATES = ("running", "completed", "failed", "cancelled")
+
 JsonDict = dict[str, Any]
 
 

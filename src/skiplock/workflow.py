@@ -39,8 +39,6 @@ if TYPE_CHECKING:
 # past this is better split (or built as a batch, later).
 MAX_STEPS = 100_000
 MAX_STEP_NAME = MAX_TASK_NAME
-# What a workflow is in (migration 0022's workflows.state): running until its last step ends.
-WORKFLOW_STATES = ("running", "completed", "failed", "cancelled")
 
 # Every App made in this process, oldest first, so that a workflow built with the
 # shorthands (which know no App) and parent_results() (which runs inside a handler) find

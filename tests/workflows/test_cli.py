@@ -50,6 +50,29 @@ def test_status_counts_waiting_steps(sem: Sem, run_cli: RunCli) -> None:
     ]
 
 
+def test_jobs_show_names_the_workflow_and_the_steps_around_it(sem: Sem, run_cli: RunCli) -> None:
+    ref = _waiting_chain(sem)
+    render_id = int(ref.steps["render"])
+    shown = run_cli("jobs", "show", str(render_id)).out.splitlines()
+    at = shown.index(f"workflow: {ref.id} 'nightly' (running), step 'render', 3 of 3")
+    assert shown[at + 1 :] == ["  after: fetch, parse", "  waiting for 2 more"]
+    fetch = run_cli("jobs", "show", str(int(ref.steps["fetch"]))).out.splitlines()
+    assert fetch[-1] == "  before: parse, render"
+    as_json = json.loads(run_cli("jobs", "show", str(render_id), "--json").out)
+    assert as_json["step"]["workflow_id"] == ref.id
+    assert (as_json["step"]["parents"], as_json["step"]["pending"]) == (["fetch", "parse"], 2)
+
+    @sem.app.task(name="alone")
+    def alone() -> None: ...
+
+    plain = sem.enqueue(alone)
+    assert json.loads(run_cli("jobs", "show", str(plain), "--json").out)["step"] is None
+    assert not any(
+        line.startswith("workflow:")
+        for line in run_cli("jobs", "show", str(plain)).out.splitlines()
+    )
+
+
 def test_cancel_ends_every_step_and_the_workflow(sem: Sem, run_cli: RunCli) -> None:
     ref = _waiting_chain(sem)
     result = run_cli("workflows", "cancel", str(ref.id))

@@ -9,10 +9,15 @@ import sys
 from datetime import datetime
 from typing import Any
 
+import psycopg
+from psycopg.rows import dict_row
+
 from skiplock.admin import Admin
 from skiplock.app import App
 from skiplock.command_line import JOB_ID, count, seconds
 from skiplock.errors import ConfigurationError
+from skiplock.sql import render
+from skiplock.sql import workflows as workflows_sql
 from skiplock.types import LIVE_STATES, Job
 
 STATES = list(LIVE_STATES)
@@ -127,6 +132,39 @@ def job_view(job: Job) -> list[str]:
     return lines
 
 
+# Names listed in `jobs show` before "and N more": a fan-in's child has thousands.
+MOST_NAMES = 10
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names[:MOST_NAMES])
+    return shown + (f" and {len(names) - MOST_NAMES} more" if len(names) > MOST_NAMES else "")
+
+
+def step_lines(step: dict[str, Any] | None) -> list[str]:
+    """``jobs show``: the workflow (or batch) the job is a step of. Pure."""
+    if step is None:
+        return []
+    kind = "batch" if step["batch"] else "workflow"
+    name = f" {step['workflow_name']!r}" if step["workflow_name"] else ""
+    lines = [
+        f"{kind}: {step['workflow_id']}{name} ({step['workflow_state']}), step "
+        f"{step['name']!r}, {step['step']} of {step['steps']}"
+    ]
+    if step["parents"]:
+        lines.append(f"  after: {_names(step['parents'])}")
+    if step["pending"]:
+        lines.append(f"  waiting for {step['pending']} more")
+    if step["children"]:
+        lines.append(f"  before: {_names(step['children'])}")
+    return lines
+
+
+def _step_of(conn: psycopg.Connection[Any], schema: str, job_id: int) -> dict[str, Any] | None:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(render(workflows_sql.STEP_OF_JOB, schema), {"id": job_id}).fetchone()
+
+
 def run(args: argparse.Namespace) -> int:
     app = App(args.database_url, schema=args.schema)
     with app.connect(autocommit=True) as conn:
@@ -146,10 +184,11 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if args.jobs_command == "show":
             job = admin.get_job(args.id)
+            step = _step_of(conn, app.schema, job.id)
             if args.json:
-                print(json.dumps(_job_dict(job), indent=2, default=str))
+                print(json.dumps(_job_dict(job) | {"step": step}, indent=2, default=str))
             else:
-                print("\n".join(job_view(job)))
+                print("\n".join(job_view(job) + step_lines(step)))
             return 0
         return _jobs_change(args, admin)
     raise AssertionError(args.jobs_command)

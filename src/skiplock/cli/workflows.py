@@ -16,7 +16,7 @@ from skiplock.command_line import JOB_ID, count
 from skiplock.errors import JobNotFoundError
 from skiplock.sql import render
 from skiplock.sql import workflows as statements
-from skiplock.workflow import WORKFLOW_STATES
+from skiplock.types import WORKFLOW_STATES
 
 
 def add_parser(sub: Any) -> None:

@@ -49,7 +49,7 @@ from skiplock.routing import describe_url, without_passwords
 from skiplock.sql import dashboard as dashboard_sql
 from skiplock.sql import render
 from skiplock.tasks import MAX_QUEUE_NAME, check_name, parse_rate
-from skiplock.workflow import WORKFLOW_STATES
+from skiplock.types import WORKFLOW_STATES
 
 log = logging.getLogger("skiplock.dashboard")
 T = TypeVar("T")

@@ -34,3 +34,9 @@ SELECT pg_sequence_last_value(pg_get_serial_sequence(%(table)s, 'id')::regclass)
        (SELECT count(*) FROM {workers}),
        (SELECT coalesce(sum(concurrency), 0) FROM {workers})
 """
+
+# Workflows and batches per state (running, and those ended but not yet pruned with
+# history: skiplock/history.py), beside the queue gauges.
+WORKFLOW_GAUGES = """
+SELECT state, count(*) FROM {workflows} GROUP BY state
+"""

@@ -181,6 +181,21 @@ WHERE s.job_id = %(id)s
 ORDER BY p.name
 """
 
+# `jobs show`: the workflow a job is a step of, and its parents' and children's names.
+STEP_OF_JOB = """
+SELECT w.id AS workflow_id, w.name AS workflow_name, w.state AS workflow_state,
+       w.options ->> 'batch' = 'true' AS batch, s.name, s.step, w.steps, s.pending,
+       ARRAY(SELECT p.name FROM unnest(s.parents) AS n(step)
+             JOIN {workflow_steps} AS p ON p.workflow_id = s.workflow_id AND p.step = n.step
+             ORDER BY p.step) AS parents,
+       ARRAY(SELECT c.name FROM unnest(s.children) AS n(step)
+             JOIN {workflow_steps} AS c ON c.workflow_id = s.workflow_id AND c.step = n.step
+             ORDER BY c.step) AS children
+FROM {workflow_steps} AS s
+JOIN {workflows} AS w ON w.id = s.workflow_id
+WHERE s.job_id = %(id)s
+"""
+
 WORKFLOW_GET = """
 SELECT id, name, state, options, steps, steps_left, steps_failed, created_at, finished_at
 FROM {workflows} WHERE id = %(id)s
