@@ -170,6 +170,12 @@ def test_an_unregistered_name_raises_unknown_task(offline_app: skiplock.App) -> 
         offline_app.get_task("nope")
 
 
+def test_a_task_of_a_script_run_directly_is_explained(offline_app: skiplock.App) -> None:
+    """`python enqueue.py` names its tasks __main__.*; the worker imported the module."""
+    with pytest.raises(skiplock.UnknownTaskError, match=r"enqueued by a script run directly"):
+        offline_app.get_task("__main__.fetch")
+
+
 def test_calling_a_task_runs_the_handler_inline(offline_app: skiplock.App) -> None:
     task = offline_app.task(send_receipt)
 

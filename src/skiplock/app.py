@@ -179,7 +179,18 @@ class App:
         try:
             return self.tasks[name]
         except KeyError:
-            raise UnknownTaskError(f"no task named {name!r} is registered in this app") from None
+            hint = ""
+            if name.startswith("__main__."):
+                # Enqueued by a script run as `python script.py`: its tasks are named after
+                # __main__, and the worker, which imports the module, knows them by its name.
+                hint = (
+                    ": it was enqueued by a script run directly, whose tasks are named "
+                    "__main__.*; define the tasks in a module both import, or name them "
+                    "(@app.task(name=...))"
+                )
+            raise UnknownTaskError(
+                f"no task named {name!r} is registered in this app{hint}"
+            ) from None
 
     def connect(self, *, queue: str | None = None, **kwargs: Any) -> psycopg.Connection[Any]:
         """A new connection to the app's database, or to ``queue``'s (the caller closes it)."""
