@@ -25,7 +25,7 @@ import psycopg
 
 from skiplock.client.params import SCHEMA_MISSING, schema_not_ready
 from skiplock.context import current_job
-from skiplock.errors import ConfigurationError, JobFailedError
+from skiplock.errors import ConfigurationError, EnqueueError, JobFailedError
 from skiplock.results import JobRef
 from skiplock.sql import render
 from skiplock.sql import workflows as statements
@@ -157,11 +157,7 @@ class Workflow:
             raise ConfigurationError(
                 f"a workflow step is a job from task.job(...), got {type(job).__name__}"
             )
-        if job.unique_key is not None:
-            raise ConfigurationError(
-                f"step {name or job.task!r}: unique jobs cannot be workflow steps (a duplicate "
-                "would make another job a step of this workflow); drop unique for this call"
-            )
+        _check_unique_step(name or job.task, job)
         if run_anyway is not None and not isinstance(run_anyway, bool):
             raise ConfigurationError(f"run_anyway must be True or False, got {run_anyway!r}")
         return self._append(
@@ -320,6 +316,8 @@ class Workflow:
                 cur = conn.execute(render(statements.WORKFLOW_INSERT, app.schema), params)
             except SCHEMA_MISSING as exc:
                 raise schema_not_ready(app.schema, exc) from exc
+            except psycopg.errors.UniqueViolation as exc:
+                raise _held(exc) from None
             ref = self._enqueued_as(owner, cur.fetchone())
             if send is not None:
                 send.sent(list(ref.steps.values()))
@@ -337,6 +335,8 @@ class Workflow:
                 cur = await conn.execute(render(statements.WORKFLOW_INSERT, app.schema), params)
             except SCHEMA_MISSING as exc:
                 raise schema_not_ready(app.schema, exc) from exc
+            except psycopg.errors.UniqueViolation as exc:
+                raise _held(exc) from None
             ref = self._enqueued_as(owner, await cur.fetchone())
             if send is not None:
                 send.sent(list(ref.steps.values()))
@@ -354,6 +354,33 @@ class Workflow:
         return WorkflowRef(
             int(workflow_id),
             {node.name: JobRef(int(i), app) for node, i in zip(self._nodes, ids, strict=True)},
+        )
+
+
+def _held(exc: psycopg.errors.UniqueViolation) -> Exception:
+    """A unique step whose key a live job holds (or another step of the workflow): the
+    whole workflow is refused. Any other violation is not ours to word."""
+    if exc.diag.constraint_name != "jobs_unique_active":
+        return exc
+    detail = (exc.diag.message_detail or "").strip()
+    return EnqueueError(
+        f"a unique step's key is held already ({detail}): nothing of this workflow was "
+        "written, and the transaction is aborted (enqueue in conn.transaction() to go on)"
+    )
+
+
+def _check_unique_step(name: str, job: JobSpec) -> None:
+    """A unique step holds its key from its enqueue, waiting included: only the 'active'
+    scope, whose index covers every live state, can say so. A 'queued' key would be
+    taken only when the step is released, by its parent's completion, which must not
+    fail on it; a window outlives the job."""
+    if job.unique_key is None:
+        return
+    if job.unique_scope != "active" or job.unique_window is not None:
+        raise ConfigurationError(
+            f"step {name!r}: a workflow step may be unique in the 'active' scope only "
+            "(no unique_scope='queued', no unique_window): it holds its key from the "
+            "workflow's enqueue on, while it waits for its parents too"
         )
 
 
@@ -426,6 +453,7 @@ def step_columns(nodes: Sequence[_Node], run_anyway: bool) -> dict[str, Any]:
         "kr": [rate for rate, _ in rates],
         "kp": [period for _, period in rates],
         "w": [len(node.parents) for node in nodes],
+        "uk": [s.unique_key for s in specs],
         "name": [node.name for node in nodes],
         "anyway": [run_anyway if node.run_anyway is None else node.run_anyway for node in nodes],
         "up": ["{" + ",".join([str(p + 1) for p in node.parents]) + "}" for node in nodes],

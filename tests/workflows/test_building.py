@@ -86,9 +86,11 @@ def test_a_workflow_cannot_contain_itself_nor_a_non_job() -> None:
         wf.add(step.job(), after=[42])  # type: ignore[list-item]
 
 
-def test_unique_steps_are_refused() -> None:
-    with pytest.raises(ConfigurationError, match="unique jobs cannot be workflow steps"):
-        app.workflow().add(unique_step.job())
+def test_unique_steps_may_only_be_unique_while_active() -> None:
+    app.workflow().add(unique_step.job())  # the 'active' scope: its key held from enqueue on
+    for options in ({"unique_scope": "queued"}, {"unique_window": 60}):
+        with pytest.raises(ConfigurationError, match="in the 'active' scope only"):
+            app.workflow().add(unique_step.with_options(**options).job())
 
 
 def test_the_step_limit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -146,3 +146,34 @@ def test_ten_thousand_steps_enqueue_in_one_statement(sem: Sem) -> None:
         (ref.id,),
     )
     assert names == [(10_000,)]
+
+
+def test_a_unique_step_holds_its_key_while_it_waits_and_a_held_key_refuses_the_workflow(
+    sem: Sem, workers: StartWorkers
+) -> None:
+    @sem.app.task(name="first")
+    def first() -> None: ...
+
+    @sem.app.task(name="report", unique=True)
+    def report(day: str) -> str:
+        return day
+
+    wf = skiplock.chain(first.job(), report.job(day="mon"), app=sem.app)
+    ref = enqueue(sem, wf)
+    waiting = int(ref.steps["report"])
+    assert sem.state_of(waiting) == "waiting"
+    # A plain enqueue of the same key gets the waiting step back, as it would any holder.
+    again = sem.enqueue(report, day="mon")
+    assert (int(again), again.duplicate) == (waiting, True)
+    # A workflow whose step's key is held is refused whole; nothing of it is written.
+    with sem.connect(autocommit=False) as conn:
+        with pytest.raises(skiplock.EnqueueError, match="unique step's key is held"):
+            skiplock.chain(first.job(), report.job(day="mon"), app=sem.app).enqueue(conn)
+        conn.rollback()
+    assert sem.execute("SELECT count(*) FROM {schema}.workflows")[0][0] == 1
+    workers(1)
+    wait_for_workflow(sem, ref.id, "completed")
+    # Ended, the key is free for the next workflow.
+    ref2 = enqueue(sem, skiplock.chain(report.job(day="mon"), app=sem.app))
+    wait_for_workflow(sem, ref2.id, "completed")
+    assert ref2.steps["report"].result(5) == "mon"

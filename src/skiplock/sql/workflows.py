@@ -32,6 +32,7 @@ doc AS (
            coalesce(u.kr, doc.g #>> '{{all,kr}}') AS kr,
            coalesce(u.kp, doc.g #>> '{{all,kp}}') AS kp,
            coalesce(u.w, doc.g #>> '{{all,w}}') AS w,
+           coalesce(u.uk, doc.g #>> '{{all,uk}}') AS uk,
            coalesce(u.name, doc.g #>> '{{all,name}}') AS name,
            coalesce(u.anyway, doc.g #>> '{{all,anyway}}') AS anyway,
            coalesce(u.up, doc.g #>> '{{all,up}}') AS up,
@@ -50,11 +51,13 @@ doc AS (
                     jsonb_array_elements_text(doc.g -> 'kr'),
                     jsonb_array_elements_text(doc.g -> 'kp'),
                     jsonb_array_elements_text(doc.g -> 'w'),
+                    jsonb_array_elements_text(doc.g -> 'uk'),
                     jsonb_array_elements_text(doc.g -> 'name'),
                     jsonb_array_elements_text(doc.g -> 'anyway'),
                     jsonb_array_elements_text(doc.g -> 'up'),
                     jsonb_array_elements_text(doc.g -> 'down'))
-         WITH ORDINALITY AS u(q, t, a, p, r, d, m, ok, kl, kr, kp, w, name, anyway, up, down, n)
+         WITH ORDINALITY AS u(q, t, a, p, r, d, m, ok, kl, kr, kp, w, uk, name, anyway, up, down,
+                              n)
 )"""
 
 
@@ -63,12 +66,14 @@ def _jobs_of_given(workflow_id: str, meta: str = "NULL") -> str:
     return f"""
 inserted AS (
     INSERT INTO {{jobs}} (queue, task, args, priority, run_at, state, max_attempts,
-                        ordering_key, key_limit, key_rate, key_period, workflow_id, meta)
+                        ordering_key, key_limit, key_rate, key_period, workflow_id, meta,
+                        unique_key)
     SELECT u.q, u.t, u.a::jsonb, u.p::smallint, l.due,
            CASE WHEN u.w::int > 0 THEN 'waiting'
                 WHEN u.ok IS NOT NULL THEN 'blocked'
                 WHEN l.due > now() THEN 'scheduled' ELSE 'available' END,
-           u.m::int, u.ok, u.kl::smallint, u.kr::int, u.kp::float8, {workflow_id}, {meta}
+           u.m::int, u.ok, u.kl::smallint, u.kr::int, u.kp::float8, {workflow_id}, {meta},
+           u.uk
     FROM given AS u,
          LATERAL (SELECT COALESCE(u.r::timestamptz,
                                   now() + u.d::float8 * interval '1 second') AS due) AS l
