@@ -10,6 +10,7 @@ artifacts/screenshots/ (see docs/dashboard.md).
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import socket
 import threading
@@ -60,7 +61,8 @@ class DashboardServer:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
-        web = create_app(owner.database_url, owner.schema, refresh_seconds=0.3, **options)
+        options.setdefault("refresh_seconds", 0.3)
+        web = create_app(owner.database_url, owner.schema, **options)
         config = uvicorn.Config(web, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="dashboard", daemon=True)
@@ -351,6 +353,23 @@ def test_a_page_of_another_site_rebound_to_this_machine_reads_nothing(
 
     page.goto(f"http://localhost:{server.port}/jobs/{dead}")
     expect(page.locator("#args")).to_contain_text("4111-secret")
+
+
+def test_a_click_held_across_a_refresh_still_follows_its_link(
+    make_job: JobFactory, serve: Serve, page: Page
+) -> None:
+    """A refresh replaces the live part of the page; one that fell between a press and its
+    release (a slow hand, a loaded machine) left the release on a new link, and the click
+    went nowhere. The press is held over several refresh periods: the schedule of this
+    test, not a wait for an outcome."""
+    make_job(queue="emails")
+    server = serve(refresh_seconds=0.2)
+    page.goto(server.url + "/")
+    page.locator('tr[data-queue="emails"] td a').first.hover()  # the pointer on the link
+    page.mouse.down()
+    page.wait_for_timeout(700)
+    page.mouse.up()
+    expect(page).to_have_url(re.compile(r"/jobs\?queue=emails"))
 
 
 def test_cron_and_dead_pages(app: skiplock.App, make_job: JobFactory, page: Page) -> None:

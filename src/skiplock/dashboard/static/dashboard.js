@@ -4,8 +4,20 @@
   "use strict";
   var live = document.getElementById("live");
 
-  // Refreshing would throw away what the person is doing: a ticked box, a field being typed.
+  // A press not yet released: replacing the page under it would leave the release on a
+  // new element, and the click would go nowhere.
+  var pressed = false;
+  document.addEventListener("pointerdown", function () { pressed = true; }, true);
+  ["pointerup", "pointercancel"].forEach(function (name) {
+    document.addEventListener(name, function () { pressed = false; }, true);
+  });
+
+  // Refreshing would throw away what the person is doing: a ticked box, a field being
+  // typed, a click under way.
   function busy() {
+    if (pressed) {
+      return true;
+    }
     var active = document.activeElement;
     if (active && live.contains(active) && /^(INPUT|SELECT|TEXTAREA)$/.test(active.tagName)) {
       return true;
