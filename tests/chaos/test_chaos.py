@@ -514,6 +514,31 @@ DOWNTIME = 2.0
 LOST_CLAIM = "ClaimLostInCrash"
 
 
+def crash_after(
+    server: PrivateServer, db: ChaosDatabase, fleet: Fleet, finished: int
+) -> tuple[datetime, datetime]:
+    """Once ``finished`` jobs are in history, crash the server (every worker's sessions
+    cut, recorded), keep it down for DOWNTIME, start it and reconnect ``db``. Returns
+    when it went down and when it was back."""
+    wait_until(
+        lambda: db.scalar(f"SELECT count(*) FROM {SCHEMA}.job_history") >= finished,
+        DRAIN_DEADLINE,
+        interval=POLL,
+        what=f"{finished} jobs to complete",
+        check=fleet.check,
+    )
+    for worker in fleet.workers:
+        fleet.record("cut", worker.pid, "server stop")
+    crashed_at = utcnow()
+    server.crash()
+    time.sleep(DOWNTIME)  # the outage's length: the chaos's schedule, not a wait
+    fleet.check()
+    server.start()
+    restarted_at = utcnow()
+    db.reconnect()
+    return crashed_at, restarted_at
+
+
 def explain_lost_claims(verdict: Verdict, crashed_at: datetime) -> int:
     """Workers commit claims with synchronous_commit off (decision 009): a crash may undo
     the last of them, and those jobs run again under the same attempt with nothing
@@ -552,23 +577,7 @@ def test_a_server_restart_mid_drain_is_ridden_out(
     options: dict[str, Any] = {"concurrency": CONCURRENCY, "lease": 6.0, "poll_interval": 30.0}
     fleet.start_many(WORKERS, db.conn, **options)
     ids = enqueue(db, make_jobs(JOBS, random.Random(seed)))
-    wait_until(
-        lambda: db.scalar(f"SELECT count(*) FROM {SCHEMA}.job_history") >= JOBS // 3,
-        DRAIN_DEADLINE,
-        interval=POLL,
-        what="a third of the jobs to complete",
-        check=fleet.check,
-    )
-
-    for worker in fleet.workers:
-        fleet.record("cut", worker.pid, "server stop")
-    crashed_at = utcnow()
-    server.crash()
-    time.sleep(DOWNTIME)  # the outage's length: the chaos's schedule, not a wait
-    fleet.check()
-    server.start()
-    restarted_at = utcnow()
-    db.reconnect()
+    crashed_at, restarted_at = crash_after(server, db, fleet, JOBS // 3)
     # Lose the registry too, as a rescuer that took every worker for dead would: each must
     # register again by itself.
     db.conn.execute(f"DELETE FROM {SCHEMA}.workers")

@@ -16,7 +16,6 @@ of 100 parents; with ``scripts/chaos --jobs 20000``, 200 workflows and 1,000 par
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -24,7 +23,6 @@ from datetime import datetime
 import pytest
 
 import skiplock
-from conftest import wait_until
 
 from .chaos_app import app, work_async, work_sync
 from .conftest import (
@@ -35,15 +33,12 @@ from .conftest import (
     Fleet,
     PrivateServer,
     record_figures,
-    utcnow,
 )
 from .test_chaos import (
-    DOWNTIME,
-    DRAIN_DEADLINE,
     LOST_CLAIM,
-    POLL,
     TIMEOUT,
     Verdict,
+    crash_after,
     drain,
     explain_lost_claims,
     judge,
@@ -188,21 +183,7 @@ def test_workflows_ride_out_a_server_restart_mid_drain(
     with db.conn.transaction():
         refs = [workflow.enqueue(db.conn) for workflow in built.workflows]
     ids = [int(ref) for wf in refs for ref in wf.steps.values()]
-    wait_until(
-        lambda: db.scalar(f"SELECT count(*) FROM {SCHEMA}.job_history") >= len(ids) // 3,
-        DRAIN_DEADLINE,
-        interval=POLL,
-        what="a third of the steps to complete",
-        check=fleet.check,
-    )
-    for worker in fleet.workers:
-        fleet.record("cut", worker.pid, "server stop")
-    crashed_at = utcnow()
-    server.crash()
-    time.sleep(DOWNTIME)  # the outage's length: the chaos's schedule, not a wait
-    fleet.check()
-    server.start()
-    db.reconnect()
+    crashed_at, _ = crash_after(server, db, fleet, len(ids) // 3)
     drain(db, fleet)
 
     verdict = judge(db, ids)
