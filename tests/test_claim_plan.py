@@ -130,6 +130,7 @@ def claim_params(limit: int, exclude: list[str]) -> dict[str, Any]:
         "limit": limit,
         "worker_id": uuid.uuid4(),
         "lease_seconds": 30.0,
+        "governed": False,
     }
 
 
@@ -174,7 +175,12 @@ def test_the_transactional_lock_reads_the_claim_index_in_order(
     filled: psycopg.Connection[Any], planner: str, limit: int
 ) -> None:
     statement = render(claim.JOB_LOCK_BATCH, SCHEMA)
-    params = {"queue": "default", "tasks": ["t1", "t2", "t3"], "limit": limit}
+    params = {
+        "queue": "default",
+        "tasks": ["t1", "t2", "t3"],
+        "limit": limit,
+        "governed": False,
+    }
 
     plan = PLANNERS[planner](filled, statement, params)
 

@@ -349,6 +349,7 @@ def test_killed_leased_job_waits_for_its_lease_then_is_rescued_and_rerun(
         "limit": 10,
         "worker_id": uuid.uuid4(),
         "lease_seconds": 30,
+        "governed": False,
     }
     # Until the lease runs out, neither a rescue nor a claim may touch the job. Each look
     # is rolled back, and its now() is the one the statements compare against.

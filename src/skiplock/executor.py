@@ -389,8 +389,8 @@ def _done_notify(app: App) -> tuple[str, dict[str, Any]]:
     return render(complete.JOBS_DONE_NOTIFY, app.schema), {"channel": done_channel(app.schema)}
 
 
-def _lock_params(queue: str, tasks: Sequence[str], limit: int) -> dict[str, Any]:
-    return {"queue": queue, "tasks": list(tasks), "limit": limit}
+def _lock_params(queue: str, tasks: Sequence[str], limit: int, governed: bool) -> dict[str, Any]:
+    return {"queue": queue, "tasks": list(tasks), "limit": limit, "governed": governed}
 
 
 def _limit_params(timeout: float) -> dict[str, Any]:
@@ -569,6 +569,7 @@ async def run_transactional_async(
     limit: int,
     *,
     rng: random.Random,
+    governed: bool = False,
     clock: Clock = utcnow,
     stop: BatchStop | None = None,
     on_claimed: Callable[[int], None] = lambda n: None,
@@ -578,7 +579,9 @@ async def run_transactional_async(
 
     Each job runs in a savepoint: a failing handler's writes roll back while the failure
     itself is recorded in the outer transaction. ``stop`` ends the batch early (BatchStop):
-    a cut reaches the handler as a cancellation. Returns how many jobs ran to an outcome.
+    a cut reaches the handler as a cancellation. ``governed``: the caller reserved the
+    queue's rate (worker/limits.py); if not, a queue with a rate limit gives nothing.
+    Returns how many jobs ran to an outcome.
     """
     stop = stop if stop is not None else BatchStop()
     batch: _Batch | None = None
@@ -587,7 +590,8 @@ async def run_transactional_async(
             # The handler's own writes commit with the job: they must be durable.
             await conn.execute(render(complete.DURABLE_COMMIT_ON, app.schema))
             cur = await conn.execute(
-                render(claim.JOB_LOCK_BATCH, app.schema), _lock_params(queue, tasks, limit)
+                render(claim.JOB_LOCK_BATCH, app.schema),
+                _lock_params(queue, tasks, limit, governed),
             )
             jobs = [claimed_from_row(r) for r in await cur.fetchall()]
             on_claimed(len(jobs))
@@ -838,6 +842,7 @@ def run_transactional_sync(
     limit: int,
     *,
     rng: random.Random,
+    governed: bool = False,
     clock: Clock = utcnow,
     stop: BatchStop | None = None,
     on_claimed: Callable[[int], None] = lambda n: None,
@@ -853,7 +858,8 @@ def run_transactional_sync(
             # The handler's own writes commit with the job: they must be durable.
             conn.execute(render(complete.DURABLE_COMMIT_ON, app.schema))
             rows = conn.execute(
-                render(claim.JOB_LOCK_BATCH, app.schema), _lock_params(queue, tasks, limit)
+                render(claim.JOB_LOCK_BATCH, app.schema),
+                _lock_params(queue, tasks, limit, governed),
             ).fetchall()
             jobs = [claimed_from_row(r) for r in rows]
             on_claimed(len(jobs))

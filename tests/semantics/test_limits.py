@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import psycopg
@@ -21,6 +22,7 @@ import skiplock
 from conftest import wait_until
 from skiplock import client
 from skiplock.tasks import parse_rate
+from skiplock.worker import limits as limits_module
 from skiplock.worker import producer
 from skiplock.worker.limits import QueueLimits
 
@@ -297,6 +299,50 @@ def test_a_limit_set_while_workers_run_holds_for_jobs_enqueued_after_it(
 
     sem.wait_for_all(ids, "completed", timeout=PATIENCE)
     assert max_overlap(timeline.runs("crawl")) <= 2
+
+
+@pytest.mark.parametrize("limit", ["concurrency", "rate", "transactional rate"])
+def test_a_limit_written_without_its_message_still_holds(
+    sem: Sem, workers: StartWorkers, limit: str
+) -> None:
+    """The 'limits' message only makes workers read the limits sooner: a claim that runs
+    before it arrives (or when it is lost, or the row was written by hand) must not take
+    more than the limit allows."""
+    timeline = Timeline()
+
+    if limit == "transactional rate":
+        # A worker's transactional sessions serve the queue the task names.
+        @sem.app.task(name="crawl", queue="crawl", transactional=True)
+        def crawl_in(conn: psycopg.Connection[Any], n: int) -> None:
+            with timeline.run("crawl", n):
+                conn.execute("SELECT pg_sleep(0.2)")
+
+        job = crawl_in.job
+    else:
+
+        @sem.app.task(name="crawl")
+        def crawl(n: int) -> None:
+            with timeline.run("crawl", n):
+                threading.Event().wait(0.2)
+
+        job = crawl.with_options(queue="crawl").job
+
+    workers(3, queues=["crawl"], rescue_interval=10.0)
+    sem.execute(
+        "INSERT INTO {queues} (name, concurrency_limit, rate_limit, rate_period) "
+        "VALUES ('crawl', %s, %s, %s)",
+        (2, None, None) if limit == "concurrency" else (None, 2, 60.0),
+    )
+    ids = sem.enqueue_many([job(n=n) for n in range(8)])
+
+    if limit == "concurrency":
+        sem.wait_for_all(ids, "completed", timeout=PATIENCE)
+        assert max_overlap(timeline.runs("crawl")) <= 2
+    else:
+        # Two starts a minute: two run, the rest wait for the window.
+        wait_until(lambda: len(timeline.runs("crawl")) >= 2, PATIENCE, "two jobs of the rate ran")
+        time.sleep(limits_module.REFRESH_SECONDS + 1.0)  # a re-read of the limits, and more
+        assert len(timeline.runs("crawl")) == 2
 
 
 # -- rate ------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ def _ceiling_claim(
             "limit": batch,
             "worker_id": worker_id,
             "lease_seconds": 30,
+            "governed": False,  # as the worker claims a queue without limits
         }
         after = cursor.start()
         if after is not None:

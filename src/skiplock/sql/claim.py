@@ -26,7 +26,11 @@ WORKER_SESSION_OPTIONS = "-c synchronous_commit=off -c enable_seqscan=off -c jit
 # update finds the picked rows by `id = ANY(ARRAY(...))`, an index condition on the
 # primary key whatever the statistics say (see ROBUST_LOOKUP in sql/complete.py).
 # run_at <= now() guards rows inserted by hand as 'available' with a future run_at. The
-# paused check is a single primary-key lookup, evaluated once per claim.
+# queue check is a single primary-key lookup, evaluated once per claim: a paused queue
+# gives nothing, nor does a queue with limits to a claim that does not apply them
+# (governed false). The worker learns of new limits from a 'limits' message or its next
+# read (worker/limits.py); until then this check, in the claim's own snapshot, is what
+# keeps a limit committed before the claim from being exceeded.
 # attempts + 1 becomes this attempt's fencing token. claimed_ahead is false here, where
 # every job claimed has its run permit in hand, and true in claims that bring more jobs
 # than the worker has permits free (JOB_CLAIM_AHEAD): those may wait for a slot, and
@@ -44,7 +48,9 @@ WITH picked AS (
       AND state = 'available'
       AND run_at <= now()
       AND task <> ALL(%(exclude_tasks)s::text[])
-      AND NOT EXISTS (SELECT 1 FROM {queues} WHERE name = %(queue)s AND paused)
+      AND NOT EXISTS (SELECT 1 FROM {queues} WHERE name = %(queue)s
+                      AND (paused OR NOT %(governed)s
+                           AND (concurrency_limit IS NOT NULL OR rate_limit IS NOT NULL)))
     ORDER BY priority, run_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -176,6 +182,8 @@ LIMIT 1
 # Transactional mode: lock ready rows and leave them as they are. The row lock is the
 # claim; it lasts exactly as long as the caller's transaction, so a crash rolls everything
 # back and the job is claimable again with attempts unchanged.
+# Transactional jobs are never 'running', so only a rate limit binds them: governed says
+# the caller reserved the queue's rate first (QueueLimits.reserve).
 JOB_LOCK_BATCH = """
 SELECT id, queue, task, args::text, priority,
        least(greatest(run_at, '0001-01-02'), '9999-12-30'), attempts, max_attempts,
@@ -185,7 +193,8 @@ WHERE queue = %(queue)s
   AND state = 'available'
   AND run_at <= now()
   AND task = ANY(%(tasks)s::text[])
-  AND NOT EXISTS (SELECT 1 FROM {queues} WHERE name = %(queue)s AND paused)
+  AND NOT EXISTS (SELECT 1 FROM {queues} WHERE name = %(queue)s
+                  AND (paused OR NOT %(governed)s AND rate_limit IS NOT NULL))
 ORDER BY priority, run_at, id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED

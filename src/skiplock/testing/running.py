@@ -154,6 +154,7 @@ def _drain_locked_one(conn: Conn, state: runs.Drain, queue: str) -> bool:
         tasks,
         1,
         rng=random.Random(),
+        governed=True,  # limits aside: a test's drain runs one job at a time
         on_finished=lambda job, outcome, seconds: finished.append(
             (job, outcome.kind, outcome.error)
         ),

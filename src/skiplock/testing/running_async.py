@@ -152,6 +152,7 @@ async def _drain_locked_one_async(conn: AsyncConn, state: runs.Drain, queue: str
         tasks,
         1,
         rng=random.Random(),
+        governed=True,  # limits aside: a test's drain runs one job at a time
         on_finished=lambda job, outcome, seconds: finished.append(
             (job, outcome.kind, outcome.error)
         ),

@@ -281,6 +281,7 @@ class Drain:
             "limit": 1,
             "worker_id": self.worker_id,
             "lease_seconds": LEASE_SECONDS,
+            "governed": True,  # a test's drain runs one job at a time, limits aside
         }
 
     def writes(self, outcome: Outcome) -> list[tuple[str, dict[str, Any]]]:

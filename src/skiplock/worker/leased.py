@@ -150,8 +150,9 @@ class LeasedJobs:
             if after is not None:
                 params.update(after_priority=after[0], after_run_at=after[1], after_id=after[2])
             await limits.settled()
+            params["governed"] = governed = queue in limits
             granted = await self._take_permits(limit)
-            if permits is not None and queue in limits:
+            if permits is not None and governed:
                 # A limited queue is never claimed ahead: its running jobs are what its
                 # limit counts (QUEUE_RUNNING), and a job waiting here would hold back
                 # every worker. Only what can start now.
@@ -164,7 +165,7 @@ class LeasedJobs:
             statement = statements[marked, after is not None]
             claimed = ClaimTimes(time.monotonic())  # what the answer says holds from then on
             try:
-                if queue in limits:
+                if governed:
                     rows = await limits.claim(queue, statement, params)
                 else:
                     async with pool.connection() as conn:

@@ -31,7 +31,7 @@ log = logging.getLogger("skiplock.worker")
 
 # Starts a session: it sets the future to the number of jobs it claimed, then runs them
 # (as far as the BatchStop lets it).
-Start = Callable[[asyncio.Future[int], int, executor.BatchStop], Coroutine[Any, Any, None]]
+Start = Callable[[asyncio.Future[int], int, executor.BatchStop, bool], Coroutine[Any, Any, None]]
 # How long cut-short sessions get to commit what finished before they are given up on
 # (and roll back whole): a commit, and a cancel request for a sync handler's statement.
 CUT_SECONDS = 10.0
@@ -126,14 +126,15 @@ class TransactionalSessions:
         async def fetch(reservation: Reservation) -> bool:
             batch = self.batch
             await limits.settled()
-            if queue in limits:
+            governed = queue in limits
+            if governed:
                 batch = await limits.reserve(queue, batch)
                 if batch <= 0:
                     return False
             claimed: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             reservation.keep(1)  # the session gives it back when it ends
             stop = executor.BatchStop(self._stopping)
-            session = asyncio.create_task(start(claimed, batch, stop))
+            session = asyncio.create_task(start(claimed, batch, stop, governed))
             self._batches[session] = stop
             session.add_done_callback(self._forget)
             if gate is not None and reservation.take_permit():
@@ -167,7 +168,7 @@ class TransactionalSessions:
         self, pool: AsyncConnectionPool[Any], queue: str, tasks: list[str], slots: Slots
     ) -> Start:
         async def session(
-            claimed: asyncio.Future[int], batch: int, stop: executor.BatchStop
+            claimed: asyncio.Future[int], batch: int, stop: executor.BatchStop, governed: bool
         ) -> None:
             def on_claimed(n: int) -> None:
                 self._on_claimed(queue, n)
@@ -182,6 +183,7 @@ class TransactionalSessions:
                         tasks,
                         batch,
                         rng=self._rng,
+                        governed=governed,
                         stop=stop,
                         on_claimed=on_claimed,
                         on_finished=self._on_finished,
@@ -210,7 +212,7 @@ class TransactionalSessions:
         loop = asyncio.get_running_loop()
 
         def run_in_thread(
-            claimed: asyncio.Future[int], batch: int, stop: executor.BatchStop
+            claimed: asyncio.Future[int], batch: int, stop: executor.BatchStop, governed: bool
         ) -> int:
             def on_claimed(n: int) -> None:
                 self._on_claimed(queue, n)
@@ -224,16 +226,19 @@ class TransactionalSessions:
                     tasks,
                     batch,
                     rng=random.Random(),
+                    governed=governed,
                     stop=stop,
                     on_claimed=on_claimed,
                     on_finished=self._on_finished,
                 )
 
         async def session(
-            claimed: asyncio.Future[int], batch: int, stop: executor.BatchStop
+            claimed: asyncio.Future[int], batch: int, stop: executor.BatchStop, governed: bool
         ) -> None:
             try:
-                done = await loop.run_in_executor(threads, run_in_thread, claimed, batch, stop)
+                done = await loop.run_in_executor(
+                    threads, run_in_thread, claimed, batch, stop, governed
+                )
                 self._on_completed(done)
             except Exception as exc:
                 if not claimed.done():
