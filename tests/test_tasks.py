@@ -79,6 +79,18 @@ def test_a_bad_queue_name_is_refused_at_definition_and_per_call(
         task.with_options(queue=queue)
 
 
+def test_a_transactional_task_cannot_be_sent_to_another_queue(offline_app: skiplock.App) -> None:
+    """Workers hold transactional sessions for the queue each transactional task names:
+    a job of it on another queue would wait there forever, so the call is refused."""
+
+    @offline_app.task(name="post_entry", queue="ledger", transactional=True)
+    def post_entry(conn: Any, n: int) -> None: ...
+
+    with pytest.raises(skiplock.ConfigurationError, match=r"post_entry.*'ledger'.*'audit'"):
+        post_entry.with_options(queue="audit")
+    assert post_entry.with_options(queue="ledger", priority=3).job(n=1).queue == "ledger"
+
+
 @pytest.mark.parametrize("queue", ["default", "emails", "a.b:c-d_e", "Q" * 128])
 def test_good_queue_names_are_accepted(offline_app: skiplock.App, queue: str) -> None:
     task = offline_app.task(queue=queue)(send_receipt)

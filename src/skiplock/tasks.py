@@ -569,6 +569,15 @@ class TaskCall(Generic[R]):
             options = {**options, "unique_window": _check_window(options["unique_window"])}
         if "queue" in options:
             check_name("queue", options["queue"], MAX_QUEUE_NAME)
+            declared = self.task.options.queue
+            if self.task.options.transactional and options["queue"] != declared:
+                # A worker's transactional sessions claim, per queue, the tasks that name
+                # it: on any other queue the job would wait for ever.
+                raise ConfigurationError(
+                    f"task {self.task.name!r} is transactional and runs on its queue "
+                    f"{declared!r}, not {options['queue']!r}; register a task for that "
+                    "queue (@app.task(queue=..., transactional=True))"
+                )
         if "priority" in options:
             _check_priority(options["priority"])
         if "max_attempts" in options:
