@@ -11,7 +11,7 @@ refused ones. A refusal means the lease was lost and the job was rescued, maybe 
 re-run elsewhere: the stale attempt must not overwrite it.
 """
 
-from skiplock.sql.maintenance import NOTIFY_MOVED
+from skiplock.sql.maintenance import HISTORY_COLUMNS, NOTIFY_MOVED, cancelled_into_history
 
 # ROBUST_LOOKUP: no statement here joins jobs to the batch. A join's plan depends on the
 # statistics, and a queue table is analyzed while it holds a few live rows among many dead
@@ -22,9 +22,6 @@ from skiplock.sql.maintenance import NOTIFY_MOVED
 # values (its attempt, result, ...) are looked up by id in %(batch)s, a jsonb object keyed
 # by id: a binary search per row (decision 013).
 
-_HISTORY_COLUMNS = """id, queue, task, args, state, priority, attempts, max_attempts, errors,
-                    result, unique_key, ordering_key, created_at, attempted_at, progress,
-                    started_at, worker_ids, meta"""
 
 JOB_COMPLETE_MANY_IF_LEASED = (
     """
@@ -37,7 +34,7 @@ WITH done AS (
               %(batch)s::jsonb -> j.id::text ->> 'progress' AS last_progress
 )
 INSERT INTO {history} ("""
-    + _HISTORY_COLUMNS
+    + HISTORY_COLUMNS
     + """)
 SELECT id, queue, task, args, 'completed', priority, attempts, max_attempts, errors,
        result::jsonb, unique_key, ordering_key, created_at, attempted_at,
@@ -77,19 +74,11 @@ WITH done AS (
       AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
       AND j.worker_id = %(worker_id)s
     RETURNING j.*, %(batch)s::jsonb -> j.id::text ->> 'progress' AS last_progress
-)
-INSERT INTO {history} ("""
-    + _HISTORY_COLUMNS
-    + """)
-SELECT id, queue, task, args, 'cancelled', priority, attempts, max_attempts,
-       errors || jsonb_build_array(jsonb_build_object(
-           'attempt', attempts, 'at', now(), 'type', 'Cancelled',
-           'message', 'cancelled while running', 'traceback', NULL)),
-       NULL, unique_key, ordering_key, created_at, attempted_at,
-       coalesce(last_progress::jsonb, progress), started_at, worker_ids, meta
-FROM done
-RETURNING id
-"""
+)"""
+    + cancelled_into_history(
+        "done", "cancelled while running", progress="coalesce(last_progress::jsonb, progress)"
+    )
+    + "RETURNING id\n"
 )
 
 # "Not yet": the handler raised Snooze. Back of the queue after the delay, and the attempt
@@ -192,19 +181,9 @@ WITH cancelled AS (
       AND j.worker_id = %(worker_id)s
       AND j.cancel_requested_at IS NOT NULL
     RETURNING j.*
-), ended AS (
-    INSERT INTO {history} ("""
-    + _HISTORY_COLUMNS
-    + """)
-    SELECT id, queue, task, args, 'cancelled', priority, attempts, max_attempts,
-           errors || jsonb_build_array(jsonb_build_object(
-               'attempt', attempts, 'at', now(), 'type', 'Cancelled',
-               'message', 'cancelled; its worker stopped before the job finished',
-               'traceback', NULL)),
-           NULL, unique_key, ordering_key, created_at, attempted_at, progress, started_at,
-           worker_ids, meta
-    FROM cancelled
-    RETURNING id
+), ended AS ("""
+    + cancelled_into_history("cancelled", "cancelled; its worker stopped before the job finished")
+    + """    RETURNING id
 ), moved AS (
     UPDATE {jobs} AS j
     SET state = 'available',
@@ -252,18 +231,9 @@ WITH cancelled AS (
       AND j.claimed_ahead
       AND j.cancel_requested_at IS NOT NULL
     RETURNING j.*
-), ended AS (
-    INSERT INTO {history} ("""
-    + _HISTORY_COLUMNS
-    + """)
-    SELECT id, queue, task, args, 'cancelled', priority, attempts - 1, max_attempts,
-           errors || jsonb_build_array(jsonb_build_object(
-               'attempt', attempts, 'at', now(), 'type', 'Cancelled',
-               'message', 'cancelled before it started', 'traceback', NULL)),
-           NULL, unique_key, ordering_key, created_at, attempted_at, progress, started_at,
-           worker_ids, meta
-    FROM cancelled
-    RETURNING id
+), ended AS ("""
+    + cancelled_into_history("cancelled", "cancelled before it started", attempts="attempts - 1")
+    + """    RETURNING id
 ), moved AS (
     UPDATE {jobs} AS j
     SET state = 'available',
@@ -377,7 +347,7 @@ WITH done AS (
     RETURNING *
 )
 INSERT INTO {history} ("""
-    + _HISTORY_COLUMNS
+    + HISTORY_COLUMNS
     + """)
 SELECT id, queue, task, args, 'completed', priority, attempts + 1, max_attempts, errors,
        %(result)s::jsonb, unique_key, ordering_key, created_at, now(), progress,

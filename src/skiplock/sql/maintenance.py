@@ -80,21 +80,32 @@ def _rescued_columns(kind: str, why: str) -> str:
     lease_expires_at = NULL"""
 
 
-# A job whose cancellation was asked for ends cancelled when its worker is gone, as the
-# requester was told: into history, with the reason among its errors. Appended to a
-# statement whose CTE `cancelled` deleted such jobs (RETURNING *).
-_CANCELLED_INTO_HISTORY = """
-INSERT INTO {history} (id, queue, task, args, state, priority, attempts, max_attempts, errors,
-                       result, unique_key, ordering_key, created_at, attempted_at, progress,
-                       started_at, worker_ids, meta)
-SELECT id, queue, task, args, 'cancelled', priority, attempts, max_attempts,
+HISTORY_COLUMNS = """id, queue, task, args, state, priority, attempts, max_attempts, errors,
+                    result, unique_key, ordering_key, created_at, attempted_at, progress,
+                    started_at, worker_ids, meta"""
+
+
+def cancelled_into_history(
+    source: str, message: str, *, attempts: str = "attempts", progress: str = "progress"
+) -> str:
+    """The INSERT that ends jobs cancelled, as their requesters were told: the rows a CTE
+    named ``source`` deleted (RETURNING *) go into history with ``message`` among their
+    errors. ``attempts`` and ``progress`` are the expressions stored for those columns.
+    The one place every statement that ends a job cancelled takes it from."""
+    return f"""
+INSERT INTO {{history}} ({HISTORY_COLUMNS})
+SELECT id, queue, task, args, 'cancelled', priority, {attempts}, max_attempts,
        errors || jsonb_build_array(jsonb_build_object(
            'attempt', attempts, 'at', now(), 'type', 'Cancelled',
-           'message', 'cancelled; its worker was gone', 'traceback', NULL)),
-       NULL, unique_key, ordering_key, created_at, attempted_at, progress, started_at,
+           'message', '{message}', 'traceback', NULL)),
+       NULL, unique_key, ordering_key, created_at, attempted_at, {progress}, started_at,
        worker_ids, meta
-FROM cancelled
+FROM {source}
 """
+
+
+# A job whose cancellation was asked for ends cancelled when its worker is gone.
+_CANCELLED_INTO_HISTORY = cancelled_into_history("cancelled", "cancelled; its worker was gone")
 
 # The jobs of the workers WORKERS_GONE found dead: back to their queues, except those
 # whose cancellation was asked for, which end cancelled at once (waiting for the next
