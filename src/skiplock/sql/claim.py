@@ -1,5 +1,7 @@
 """Taking ready jobs off a queue without fighting other workers over them."""
 
+from skiplock.sql.fence import HELD
+
 # Worker connections run with synchronous_commit off. A claim, heartbeat or rescue lost in
 # a server crash only makes a job claimable again, which at-least-once delivery allows (and
 # fencing refuses the old attempt's completion); the enqueue itself was durable in the
@@ -123,17 +125,20 @@ JOB_CLAIM_AHEAD_AFTER = _claiming_ahead(JOB_CLAIM_BATCH_AFTER)
 # after they start, and only for jobs still running then: most jobs finish first, and
 # their outcome is all that is written. Fenced like an outcome. SKIP LOCKED: a row another
 # transaction has locked is not waited for; it is not returned, and asked for again.
-JOB_MARK_STARTED = """
+JOB_MARK_STARTED = (
+    """
 UPDATE {jobs} AS j
 SET claimed_ahead = false
 WHERE j.id = ANY(ARRAY(
     SELECT k.id FROM {jobs} AS k
     WHERE k.id = ANY(%(ids)s::bigint[]) AND k.claimed_ahead
     FOR UPDATE SKIP LOCKED))
-  AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
-  AND j.worker_id = %(worker_id)s
+  AND """
+    + HELD
+    + """
 RETURNING j.id
 """
+)
 
 # A job claimed ahead that holds a queued-scope unique key starts only once this has
 # released the key (and recorded the start): from then on a duplicate is a new job, as it

@@ -11,6 +11,7 @@ refused ones. A refusal means the lease was lost and the job was rescued, maybe 
 re-run elsewhere: the stale attempt must not overwrite it.
 """
 
+from skiplock.sql.fence import HELD_IDS
 from skiplock.sql.maintenance import HISTORY_COLUMNS, NOTIFY_MOVED, cancelled_into_history
 
 # ROBUST_LOOKUP: no statement here joins jobs to the batch. A join's plan depends on the
@@ -23,13 +24,26 @@ from skiplock.sql.maintenance import HISTORY_COLUMNS, NOTIFY_MOVED, cancelled_in
 # by id: a binary search per row (decision 013).
 
 
+# The end of an attempt whose job stays in the table (failed, snoozed): its latest
+# progress kept, its lease dropped, fenced.
+_ATTEMPT_LEFT = (
+    """    progress = coalesce((%(batch)s::jsonb -> j.id::text ->> 'progress')::jsonb, j.progress),
+    worker_id = NULL,
+    lease_expires_at = NULL
+WHERE """
+    + HELD_IDS
+    + """
+RETURNING j.id
+"""
+)
+
 JOB_COMPLETE_MANY_IF_LEASED = (
     """
 WITH done AS (
     DELETE FROM {jobs} AS j
-    WHERE j.id = ANY(%(ids)s::bigint[])
-      AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
-      AND j.worker_id = %(worker_id)s
+    WHERE """
+    + HELD_IDS
+    + """
     RETURNING j.*, %(batch)s::jsonb -> j.id::text ->> 'result' AS result,
               %(batch)s::jsonb -> j.id::text ->> 'progress' AS last_progress
 )
@@ -48,21 +62,17 @@ RETURNING id
 # it is the job's place in line. Even with no delay the job goes through the promoter,
 # whose notification rewinds claim cursors to its (older) place. The lease is
 # dropped either way; the error is appended so every attempt's failure is kept.
-JOB_FAIL_MANY_IF_LEASED = """
+JOB_FAIL_MANY_IF_LEASED = (
+    """
 UPDATE {jobs} AS j
 SET state = CASE WHEN (%(batch)s::jsonb -> j.id::text -> 'dead')::boolean THEN 'dead'
                  ELSE 'retryable' END,
     retry_at = now()
                + (%(batch)s::jsonb -> j.id::text ->> 'delay')::float8 * interval '1 second',
     errors = j.errors || jsonb_build_array(%(batch)s::jsonb -> j.id::text -> 'error'),
-    progress = coalesce((%(batch)s::jsonb -> j.id::text ->> 'progress')::jsonb, j.progress),
-    worker_id = NULL,
-    lease_expires_at = NULL
-WHERE j.id = ANY(%(ids)s::bigint[])
-  AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
-  AND j.worker_id = %(worker_id)s
-RETURNING j.id
 """
+    + _ATTEMPT_LEFT
+)
 
 # A running job whose cancellation was requested ends here: into history as cancelled,
 # with the reason among its errors.
@@ -70,9 +80,9 @@ JOB_CANCEL_MANY_IF_LEASED = (
     """
 WITH done AS (
     DELETE FROM {jobs} AS j
-    WHERE j.id = ANY(%(ids)s::bigint[])
-      AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
-      AND j.worker_id = %(worker_id)s
+    WHERE """
+    + HELD_IDS
+    + """
     RETURNING j.*, %(batch)s::jsonb -> j.id::text ->> 'progress' AS last_progress
 )"""
     + cancelled_into_history(
@@ -83,21 +93,17 @@ WITH done AS (
 
 # "Not yet": the handler raised Snooze. Back of the queue after the delay, and the attempt
 # is given back: nothing failed.
-JOB_SNOOZE_MANY_IF_LEASED = """
+JOB_SNOOZE_MANY_IF_LEASED = (
+    """
 UPDATE {jobs} AS j
 SET state = CASE WHEN (%(batch)s::jsonb -> j.id::text ->> 'delay')::float8 > 0 THEN 'scheduled'
                  ELSE 'available' END,
     run_at = now() + (%(batch)s::jsonb -> j.id::text ->> 'delay')::float8 * interval '1 second',
     retry_at = NULL,
     attempts = j.attempts - 1,
-    progress = coalesce((%(batch)s::jsonb -> j.id::text ->> 'progress')::jsonb, j.progress),
-    worker_id = NULL,
-    lease_expires_at = NULL
-WHERE j.id = ANY(%(ids)s::bigint[])
-  AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
-  AND j.worker_id = %(worker_id)s
-RETURNING j.id
 """
+    + _ATTEMPT_LEFT
+)
 
 # A flush whose outcomes are all of one kind (the usual case) is one of the four
 # statements above made to commit alone, in the worker's autocommit session, instead of a
@@ -165,6 +171,50 @@ JOBS_DONE_NOTIFY = """
 SELECT pg_notify(%(channel)s, '')
 """
 
+
+def _handed_back(narrowed: str, cancelled: str, *, history_attempts: str, errors: str) -> str:
+    """Jobs this worker holds (of %(ids)s, fenced, and ``narrowed``: more AND terms) go
+    back to their queues, their attempt given back and ``errors`` their new errors; those
+    whose cancellation was asked for end cancelled instead, ``cancelled`` their reason.
+    Rows come back as NOTIFY_MOVED's, plus one with no queue counting the cancelled."""
+    return (
+        """
+WITH cancelled AS (
+    DELETE FROM {jobs} AS j
+    WHERE """
+        + HELD_IDS
+        + narrowed
+        + """
+      AND j.cancel_requested_at IS NOT NULL
+    RETURNING j.*
+), ended AS ("""
+        + cancelled_into_history("cancelled", cancelled, attempts=history_attempts)
+        + """    RETURNING id
+), moved AS (
+    UPDATE {jobs} AS j
+    SET state = 'available',
+        attempts = j.attempts - 1,
+        errors = """
+        + errors
+        + """,
+        claimed_ahead = false,
+        worker_id = NULL,
+        lease_expires_at = NULL
+    WHERE """
+        + HELD_IDS
+        + narrowed
+        + """
+      AND j.cancel_requested_at IS NULL
+    RETURNING j.queue, j.priority, j.run_at
+)"""
+        + NOTIFY_MOVED
+        + """
+UNION ALL
+SELECT NULL, count(*), NULL::void FROM ended HAVING count(*) > 0
+"""
+    )
+
+
 # Graceful shutdown ran out of time: the attempt was cut short, not failed, so it is
 # given back, and the job is available at once. A job whose cancellation was asked for
 # ends cancelled instead, as the requester was told (and as JOB_CANCEL_ABANDONED ends one
@@ -172,42 +222,16 @@ SELECT pg_notify(%(channel)s, '')
 # would cancel that next attempt at its first heartbeat, or never if it finished first.
 # Rows come back as NOTIFY_MOVED's, plus one with no queue counting the cancelled jobs
 # (the worker then wakes callers awaiting their results).
-JOB_RELEASE_MANY_IF_LEASED = (
-    """
-WITH cancelled AS (
-    DELETE FROM {jobs} AS j
-    WHERE j.id = ANY(%(ids)s::bigint[])
-      AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
-      AND j.worker_id = %(worker_id)s
-      AND j.cancel_requested_at IS NOT NULL
-    RETURNING j.*
-), ended AS ("""
-    + cancelled_into_history("cancelled", "cancelled; its worker stopped before the job finished")
-    + """    RETURNING id
-), moved AS (
-    UPDATE {jobs} AS j
-    SET state = 'available',
-        attempts = j.attempts - 1,
-        errors = j.errors || jsonb_build_array(jsonb_build_object(
+JOB_RELEASE_MANY_IF_LEASED = _handed_back(
+    "",
+    "cancelled; its worker stopped before the job finished",
+    history_attempts="attempts",
+    errors="""j.errors || jsonb_build_array(jsonb_build_object(
             'attempt', j.attempts,
             'at', now(),
             'type', 'WorkerShutdown',
             'message', 'worker stopped before the job finished; the attempt is not counted',
-            'traceback', NULL)),
-        claimed_ahead = false,
-        worker_id = NULL,
-        lease_expires_at = NULL
-    WHERE j.id = ANY(%(ids)s::bigint[])
-      AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
-      AND j.worker_id = %(worker_id)s
-      AND j.cancel_requested_at IS NULL
-    RETURNING j.queue, j.priority, j.run_at
-)"""
-    + NOTIFY_MOVED
-    + """
-UNION ALL
-SELECT NULL, count(*), NULL::void FROM ended HAVING count(*) > 0
-"""
+            'traceback', NULL))""",
 )
 
 # A job claimed ahead that never started goes back, from the worker that holds it: it
@@ -221,45 +245,17 @@ SELECT NULL, count(*), NULL::void FROM ended HAVING count(*) > 0
 # whose cancellation was asked for ends cancelled instead. The UPDATE fires no trigger
 # that wakes workers: NOTIFY_MOVED does, in this statement, so an idle worker claims the
 # jobs at once rather than at its next poll. Rows come back as JOB_RELEASE_MANY_IF_LEASED's.
-JOB_GIVE_BACK_UNSTARTED = (
-    """
-WITH cancelled AS (
-    DELETE FROM {jobs} AS j
-    WHERE j.id = ANY(%(ids)s::bigint[])
-      AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
-      AND j.worker_id = %(worker_id)s
-      AND j.claimed_ahead
-      AND j.cancel_requested_at IS NOT NULL
-    RETURNING j.*
-), ended AS ("""
-    + cancelled_into_history("cancelled", "cancelled before it started", attempts="attempts - 1")
-    + """    RETURNING id
-), moved AS (
-    UPDATE {jobs} AS j
-    SET state = 'available',
-        attempts = j.attempts - 1,
-        errors = CASE WHEN %(note)s::text IS NULL THEN j.errors
+JOB_GIVE_BACK_UNSTARTED = _handed_back(
+    "\n      AND j.claimed_ahead",
+    "cancelled before it started",
+    history_attempts="attempts - 1",
+    errors="""CASE WHEN %(note)s::text IS NULL THEN j.errors
                       ELSE j.errors || jsonb_build_array(jsonb_build_object(
                           'attempt', j.attempts,
                           'at', now(),
                           'type', 'WorkerShutdown',
                           'message', %(note)s::text,
-                          'traceback', NULL)) END,
-        claimed_ahead = false,
-        worker_id = NULL,
-        lease_expires_at = NULL
-    WHERE j.id = ANY(%(ids)s::bigint[])
-      AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
-      AND j.worker_id = %(worker_id)s
-      AND j.claimed_ahead
-      AND j.cancel_requested_at IS NULL
-    RETURNING j.queue, j.priority, j.run_at
-)"""
-    + NOTIFY_MOVED
-    + """
-UNION ALL
-SELECT NULL, count(*), NULL::void FROM ended HAVING count(*) > 0
-"""
+                          'traceback', NULL)) END""",
 )
 
 # A transactional handler's time limit: the server ends a session left idle inside its

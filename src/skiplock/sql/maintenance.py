@@ -1,5 +1,7 @@
 """Rescuing jobs whose worker is gone, and keeping the worker registry current."""
 
+from skiplock.sql.fence import HELD, HELD_IDS
+
 # Notify each queue that received jobs, in the payload format of the insert trigger
 # (migrations/0001_jobs.sql): queue, lowest priority, earliest run_at. Appended to a
 # statement whose CTE `moved` returns queue, priority and run_at of the jobs it made
@@ -320,13 +322,14 @@ SET last_seen_at = now(), service_restarts = EXCLUDED.service_restarts,
 # hold up the leases of every job of this worker. Such a job still comes back, read from
 # the snapshot, with `extended` false: it is still ours, its lease is extended at a later
 # beat (and if a rescue was what held it, the next beat finds it gone).
-JOB_EXTEND_LEASES_SKIP_LOCKED = """
+JOB_EXTEND_LEASES_SKIP_LOCKED = (
+    """
 WITH held AS (
     SELECT j.id, j.cancel_requested_at IS NOT NULL AS cancel
     FROM {jobs} AS j
-    WHERE j.id = ANY(%(ids)s::bigint[])
-      AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
-      AND j.worker_id = %(worker_id)s
+    WHERE """
+    + HELD_IDS
+    + """
 ), extended AS (
     UPDATE {jobs} AS j
     SET lease_expires_at = now() + %(lease_seconds)s * interval '1 second'
@@ -334,13 +337,15 @@ WITH held AS (
         SELECT k.id FROM {jobs} AS k
         WHERE k.id = ANY(ARRAY(SELECT id FROM held))
         FOR UPDATE SKIP LOCKED))
-      AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
-      AND j.worker_id = %(worker_id)s
+      AND """
+    + HELD
+    + """
     RETURNING j.id
 )
 SELECT held.id, held.cancel, EXISTS (SELECT 1 FROM extended WHERE extended.id = held.id)
 FROM held
 """
+)
 
 WORKER_DEREGISTER = """
 DELETE FROM {workers} WHERE id = %(id)s
@@ -402,8 +407,9 @@ WITH moved AS (
         SELECT k.id FROM {jobs} AS k
         WHERE k.id = ANY(%(ids)s::bigint[])
         FOR UPDATE SKIP LOCKED))
-      AND j.attempts = (%(batch)s::jsonb -> j.id::text ->> 'attempt')::int
-      AND j.worker_id = %(worker_id)s
+      AND """
+    + HELD
+    + """
       AND j.cancel_requested_at IS NULL
     RETURNING queue, priority, run_at
 )"""
