@@ -117,3 +117,22 @@ async def transactional_async(
     """Async twin of ``transactional``."""
     await conn.execute(_RECORD_EFFECT, (skiplock.current_job().id, os.getpid()))
     return await _run_async("crash.transactional_async", skiplock.current_job().attempts + 1, hold)
+
+
+@app.task(name="crash.stepped", queue=QUEUE, max_attempts=5)
+def stepped() -> dict[str, int]:
+    """Lease mode with durable steps: 'charge' writes its effect (through a connection of
+    its own, so the effect outlives a killed process), then 'hold' waits for the test's
+    release. Killed in 'hold', the next attempt must not charge again."""
+    job_id, attempt = skiplock.current_job().id, skiplock.current_job().attempts
+    with psycopg.connect(app.database_url, autocommit=True) as own:
+        _record_start(own, "crash.stepped", attempt)
+
+        def charge() -> int:
+            own.execute(_RECORD_EFFECT, (job_id, os.getpid()))
+            return os.getpid()
+
+        charged_by = skiplock.step("charge", charge)
+        skiplock.step("hold", _wait_for_release, own, job_id, attempt)
+        own.execute(_RECORD_FINISH, (job_id, attempt, os.getpid()))
+    return {"charged_by": charged_by, "attempt": attempt}

@@ -397,6 +397,39 @@ def test_killed_leased_job_waits_for_its_lease_then_is_rescued_and_rerun(
     assert executions(db, job) == [(1, a.pid, False), (2, b.pid, True)]
 
 
+def test_a_step_recorded_before_a_kill_is_not_run_again(
+    app: skiplock.App, db: psycopg.Connection[Any], spawn_worker: SpawnWorker
+) -> None:
+    """Durable steps across a SIGKILL: the 'charge' step returned and was recorded, the
+    worker died in the next step, and the rescued job's second attempt gets the charge's
+    recorded result instead of charging again."""
+    (job,) = enqueue(app, db, "crash.stepped")
+    a = spawn_worker(lease=60)
+    wait_until(
+        lambda: db.execute(
+            "SELECT 1 FROM skiplock.job_steps WHERE job_id = %s AND name = 'charge'", (job,)
+        ).fetchone(),
+        STEP_TIMEOUT,
+        what="the charge step to be recorded",
+        check=a.check_alive,
+    )
+
+    a.kill()
+    release(db, job, 2)
+    b = spawn_worker(lease=60)
+    wait_until(
+        lambda: history(db, job), STEP_TIMEOUT, what="the re-run to complete", check=b.check_alive
+    )
+
+    assert history(db, job) == [("completed", 2, {"charged_by": a.pid, "attempt": 2})]
+    effects = db.execute("SELECT pid FROM crash_effects WHERE job_id = %s", (job,)).fetchall()
+    assert effects == [(a.pid,)]
+    steps = db.execute(
+        "SELECT name, attempt FROM skiplock.job_steps WHERE job_id = %s ORDER BY name", (job,)
+    ).fetchall()
+    assert steps == [("charge", 1), ("hold", 2)]
+
+
 def test_jobs_in_flight_at_a_crash_run_again_and_none_is_dropped(
     app: skiplock.App, db: psycopg.Connection[Any], spawn_worker: SpawnWorker
 ) -> None:

@@ -27,6 +27,7 @@ PUBLIC = [
     "SkiplockError",
     "Snooze",
     "Step",
+    "StepNotRecordedError",
     "Task",
     "UnknownTaskError",
     "Worker",
@@ -45,6 +46,8 @@ PUBLIC = [
     "parent_results",
     "parent_results_async",
     "set_progress",
+    "step",
+    "step_async",
 ]
 
 

@@ -9,6 +9,7 @@ from skiplock.admin_async import AsyncAdmin
 from skiplock.app import App
 from skiplock.batch import Batch, BatchCounts, batch_counts, batch_counts_async
 from skiplock.context import cancel_requested, current_job, set_progress
+from skiplock.durable import StepNotRecordedError, step, step_async
 from skiplock.errors import (
     ConfigurationError,
     EnqueueError,
@@ -57,6 +58,7 @@ __all__ = [
     "SkiplockError",
     "Snooze",
     "Step",
+    "StepNotRecordedError",
     "Task",
     "UnknownTaskError",
     "Worker",
@@ -75,6 +77,8 @@ __all__ = [
     "parent_results",
     "parent_results_async",
     "set_progress",
+    "step",
+    "step_async",
 ]
 
 __version__ = "0.1.0"

@@ -42,6 +42,11 @@ def current_job() -> ClaimedJob:
     return job
 
 
+def current_job_or_none() -> ClaimedJob | None:
+    """The job being run in this context, or None outside a handler."""
+    return _current.get()
+
+
 def cancel_requested() -> bool:
     """True once someone asked to cancel the running job (``skiplock jobs cancel``).
 

@@ -27,6 +27,7 @@ import psycopg
 from skiplock.app import App
 from skiplock.config import done_channel
 from skiplock.context import CancelFlag, set_current_job
+from skiplock.durable import LockedStore, StepStore, set_step_store
 from skiplock.errors import (
     OutcomeNotStorableError,
     Retry,
@@ -221,11 +222,13 @@ async def run_leased(
     rng: random.Random,
     cancel: CancelFlag | None = None,
     progress: Callable[[str], None] | None = None,
+    steps: StepStore | None = None,
     on_abandoned: Callable[[asyncio.Future[Any]], None] | None = None,
 ) -> Outcome:
     """Run a claimed (lease-mode) job to an outcome. Never raises, except cancellation.
 
-    ``cancel`` is what ``skiplock.cancel_requested()`` reads inside the handler;
+    ``cancel`` is what ``skiplock.cancel_requested()`` reads inside the handler,
+    ``steps`` where ``skiplock.step()`` records;
     ``on_abandoned`` gets the future of a sync handler left running after its timeout."""
     policy = DEFAULT_POLICY
     try:
@@ -235,6 +238,7 @@ async def run_leased(
             raise ArgumentsError(job.args_error)
         # Each asyncio task runs in its own context copy, so this is per job.
         set_current_job(job, cancel, progress)
+        set_step_store(steps)  # where skiplock.step() keeps this job's steps
         if task.is_async:
             coro = task.fn(**job.args)
             timeout = task.options.timeout
@@ -596,6 +600,7 @@ async def run_transactional_async(
             jobs = [claimed_from_row(r) for r in await cur.fetchall()]
             on_claimed(len(jobs))
             batch = _Batch(app, jobs, rng=rng, clock=clock, on_finished=on_finished)
+            set_step_store(LockedStore(conn, app.schema))  # steps commit with the batch
             for job in stop.jobs_to_start(jobs):
                 batch.begin(job)
                 outcome = await _attempt_async(batch, conn, job, stop)
@@ -864,6 +869,7 @@ def run_transactional_sync(
             jobs = [claimed_from_row(r) for r in rows]
             on_claimed(len(jobs))
             batch = _Batch(app, jobs, rng=rng, clock=clock, on_finished=on_finished)
+            set_step_store(LockedStore(conn, app.schema))  # steps commit with the batch
             limits = _SessionLimits(app, conn)
             for job in stop.jobs_to_start(jobs):
                 batch.begin(job)

@@ -112,6 +112,13 @@ TABLES: dict[str, dict[Use, tuple[str, ...]]] = {
         Use.ENQUEUE: ("SELECT", "INSERT"),
         Use.ADMIN: ("SELECT", "INSERT"),
     },
+    # Durable steps (0028): recorded by the worker's attempts, pruned with history; read by
+    # `jobs show`.
+    "job_steps": {
+        Use.WORKER: ("SELECT", "INSERT", "DELETE"),
+        Use.ENQUEUE: (),
+        Use.ADMIN: ("SELECT", "DELETE"),
+    },
     # Every use checks that the schema is at the version it expects.
     "schema_migrations": {
         Use.WORKER: ("SELECT",),

@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from skiplock.sql import history, keys, render
+from skiplock.sql import history, keys, render, steps
 
 log = logging.getLogger("skiplock.history")
 
@@ -32,6 +32,7 @@ class HistoryReport:
     dropped: list[str] = field(default_factory=list)
     pruned_rows: int = 0
     pruned_workflows: int = 0
+    pruned_steps: int = 0
     expired_windows: int = 0
     skipped: list[str] = field(default_factory=list)
 
@@ -88,8 +89,9 @@ def maintain(
     retention: timedelta | None,
     now: datetime | None = None,
 ) -> HistoryReport:
-    """Create partitions ahead, drop expired ones, prune the DEFAULT partition and the
-    workflows that ended before the retention, and delete unique windows that have passed.
+    """Create partitions ahead, drop expired ones, prune the DEFAULT partition, the
+    workflows that ended before the retention and the durable steps of jobs that did,
+    and delete unique windows that have passed.
 
     ``conn`` must be in autocommit mode. ``retention`` None keeps history forever.
     """
@@ -133,6 +135,12 @@ def maintain(
             pruned = int(row[0]) if row else 0
             report.pruned_workflows += pruned
             if pruned < PRUNE_BATCH:
+                break
+        recorded = render(steps.STEPS_PRUNE, schema)
+        while True:
+            cur = conn.execute(recorded, {"before": now - retention, "limit": PRUNE_BATCH})
+            report.pruned_steps += cur.rowcount
+            if cur.rowcount < PRUNE_BATCH:
                 break
     conn.execute(render(keys.KEY_RATES_PRUNE, schema))
     windows = render(history.UNIQUE_WINDOWS_PRUNE_BATCH, schema)

@@ -324,6 +324,27 @@ def test_workflows_that_ended_before_the_retention_go_with_their_steps(
     assert [r[0] for r in steps] == [made["recent"], made["running"]]
 
 
+def test_the_steps_of_jobs_that_ended_before_the_retention_go(
+    ops: Ops, worker_conn: psycopg.Connection[Any]
+) -> None:
+    """Durable steps (skiplock.step) stay while their job is live, however old, and for
+    the retention after they were recorded once it has ended. Run by the worker's role."""
+    now = at(today(ops) + 30 * DAY)
+    live = ops.rows("INSERT INTO {jobs} (task, args) VALUES ('t', '{{}}') RETURNING id")[0][0]
+    for job_id, days_ago in ((live, 20), (live + 1000, 20), (live + 2000, 2)):
+        ops.rows(
+            "INSERT INTO {job_steps} (job_id, name, attempt, result, done_at) "
+            "VALUES (%s, 'charge', 1, '1', %s)",
+            (job_id, now - timedelta(days=days_ago)),
+        )
+
+    report = history.maintain(worker_conn, ops.schema, retention=timedelta(days=7), now=now)
+
+    assert report.pruned_steps == 1
+    left = ops.rows("SELECT job_id FROM {job_steps} ORDER BY job_id")
+    assert [r[0] for r in left] == [live, live + 2000]
+
+
 # -- skiplock prune --------------------------------------------------------------------
 
 
@@ -336,7 +357,8 @@ def test_prune_creates_a_missing_partition(ops: Ops, run_cli: Cli) -> None:
     assert result.code == 0
     assert result.out.strip() == (
         f"history partitions created: {tomorrow}; dropped: none; "
-        "rows pruned from the default partition: 0; ended workflows pruned: 0"
+        "rows pruned from the default partition: 0; ended workflows pruned: 0; "
+        "steps of ended jobs pruned: 0"
     )
     assert tomorrow in partitions(ops)
 
@@ -349,7 +371,8 @@ def test_prune_with_retention_days_prunes_default(ops: Ops, run_cli: Cli) -> Non
 
     assert result.code == 0
     assert result.out.strip().endswith(
-        "rows pruned from the default partition: 3; ended workflows pruned: 0"
+        "rows pruned from the default partition: 3; ended workflows pruned: 0; "
+        "steps of ended jobs pruned: 0"
     )
     assert in_default(ops) == 1
 

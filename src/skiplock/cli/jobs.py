@@ -17,6 +17,7 @@ from skiplock.app import App
 from skiplock.command_line import JOB_ID, count, seconds
 from skiplock.errors import ConfigurationError
 from skiplock.sql import render
+from skiplock.sql import steps as steps_sql
 from skiplock.sql import workflows as workflows_sql
 from skiplock.types import LIVE_STATES, Job
 
@@ -160,6 +161,30 @@ def step_lines(step: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+# A recorded step's result is shown up to this many characters.
+STEP_RESULT_CHARS = 80
+
+
+def durable_step_lines(steps: list[dict[str, Any]]) -> list[str]:
+    """``jobs show``: the durable steps the job's attempts recorded (skiplock.step). Pure."""
+    if not steps:
+        return []
+    lines = [f"steps recorded: {len(steps)}"]
+    for row in steps:
+        result = row["result"] if row["result"] is not None else "null"
+        if len(result) > STEP_RESULT_CHARS:
+            result = result[: STEP_RESULT_CHARS - 3] + "..."
+        lines.append(
+            f"  {row['name']!r}  attempt {row['attempt']}  {_fmt_time(row['done_at'])}  {result}"
+        )
+    return lines
+
+
+def _durable_steps(conn: psycopg.Connection[Any], schema: str, job_id: int) -> list[dict[str, Any]]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(render(steps_sql.STEPS_SHOW, schema), {"id": job_id}).fetchall()
+
+
 def _step_of(conn: psycopg.Connection[Any], schema: str, job_id: int) -> dict[str, Any] | None:
     with conn.cursor(row_factory=dict_row) as cur:
         return cur.execute(render(workflows_sql.STEP_OF_JOB, schema), {"id": job_id}).fetchone()
@@ -185,10 +210,12 @@ def run(args: argparse.Namespace) -> int:
         if args.jobs_command == "show":
             job = admin.get_job(args.id)
             step = _step_of(conn, app.schema, job.id)
+            steps = _durable_steps(conn, app.schema, job.id)
             if args.json:
-                print(json.dumps(_job_dict(job) | {"step": step}, indent=2, default=str))
+                shown = _job_dict(job) | {"step": step, "steps": steps}
+                print(json.dumps(shown, indent=2, default=str))
             else:
-                print("\n".join(job_view(job) + step_lines(step)))
+                print("\n".join(job_view(job) + step_lines(step) + durable_step_lines(steps)))
             return 0
         return _jobs_change(args, admin)
     raise AssertionError(args.jobs_command)

@@ -84,7 +84,8 @@ def run_prune(args: argparse.Namespace) -> int:
         f"history partitions created: {', '.join(report.created) or 'none'}; "
         f"dropped: {', '.join(report.dropped) or 'none'}; "
         f"rows pruned from the default partition: {report.pruned_rows}; "
-        f"ended workflows pruned: {report.pruned_workflows}"
+        f"ended workflows pruned: {report.pruned_workflows}; "
+        f"steps of ended jobs pruned: {report.pruned_steps}"
         + (f"; skipped (locked or in use): {', '.join(report.skipped)}" if report.skipped else "")
     )
     return 0

@@ -26,6 +26,7 @@ def render(template: str, schema: str) -> str:
         key_rates=sql.Identifier(schema, "key_rates"),
         workflows=sql.Identifier(schema, "workflows"),
         workflow_steps=sql.Identifier(schema, "workflow_steps"),
+        job_steps=sql.Identifier(schema, "job_steps"),
         schema=sql.Identifier(schema),
     )
     return composed.as_string(None)

@@ -18,6 +18,7 @@ import psycopg
 from skiplock import client
 from skiplock.app import App
 from skiplock.context import set_current_job
+from skiplock.durable import LockedStore, set_step_store
 from skiplock.executor import claimed_from_row, run_transactional_sync
 from skiplock.outcomes import Completed
 from skiplock.tasks import Task, TaskCall
@@ -60,11 +61,12 @@ def perform_job(
     if conn is None:
         job = runs.performed_job(spec, attempts=1)
         progress = runs.Progress()
-        outcome = runs.leased_outcome(plain.app, job, progress)
+        outcome = runs.leased_outcome(plain.app, job, progress, None)
         return runs.job_outcome(job, outcome, progress.value)
     job = runs.performed_job(spec, attempts=0)
     _ensure_transaction(conn)
     set_current_job(job)
+    set_step_store(LockedStore(conn, plain.app.schema))
     try:
         with conn.transaction():
             result_json = runs.call_transactional(plain, conn, job.args)
@@ -129,7 +131,7 @@ def _drain_leased_one(conn: Conn, state: runs.Drain, queue: str) -> bool:
         return False
     job = claimed_from_row(rows[0])
     progress = runs.Progress()
-    outcome = runs.leased_outcome(state.app, job, progress)
+    outcome = runs.leased_outcome(state.app, job, progress, conn)
     outcome = dataclasses.replace(outcome, progress_json=progress.json)
     try:
         with conn.transaction():

@@ -16,6 +16,7 @@ import psycopg
 from skiplock import client
 from skiplock.app import App
 from skiplock.context import set_current_job
+from skiplock.durable import LockedStore, set_step_store
 from skiplock.executor import claimed_from_row, run_transactional_async
 from skiplock.outcomes import Completed
 from skiplock.tasks import Task, TaskCall
@@ -58,11 +59,12 @@ async def perform_job_async(
     if conn is None:
         job = runs.performed_job(spec, attempts=1)
         progress = runs.Progress()
-        outcome = await runs.leased_outcome_async(plain.app, job, progress)
+        outcome = await runs.leased_outcome_async(plain.app, job, progress, None)
         return runs.job_outcome(job, outcome, progress.value)
     job = runs.performed_job(spec, attempts=0)
     await _ensure_transaction_async(conn)
     set_current_job(job)
+    set_step_store(LockedStore(conn, plain.app.schema))
     try:
         async with conn.transaction():
             result_json = await runs.call_transactional_async(plain, conn, job.args)
@@ -127,7 +129,7 @@ async def _drain_leased_one_async(conn: AsyncConn, state: runs.Drain, queue: str
         return False
     job = claimed_from_row(rows[0])
     progress = runs.Progress()
-    outcome = await runs.leased_outcome_async(state.app, job, progress)
+    outcome = await runs.leased_outcome_async(state.app, job, progress, conn)
     outcome = dataclasses.replace(outcome, progress_json=progress.json)
     try:
         async with conn.transaction():

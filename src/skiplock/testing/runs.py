@@ -28,6 +28,7 @@ from skiplock.completer import (
     refused_error,
     storable_outcome,
 )
+from skiplock.durable import LockedStore, MemoryStore
 from skiplock.executor import claimed_from_row, failure_outcome, run_leased, utcnow
 from skiplock.outcomes import OUTCOME_TYPES, Outcome, failed
 from skiplock.sql import claim, complete, render
@@ -158,24 +159,32 @@ def job_outcome(job: ClaimedJob, outcome: Outcome, progress: Any = None) -> JobO
     )
 
 
-async def _run_leased(app: App, job: ClaimedJob, progress: Progress) -> Outcome:
+async def _run_leased(
+    app: App, job: ClaimedJob, progress: Progress, conn: Conn | AsyncConn | None
+) -> Outcome:
     """The worker's run of a lease-mode job: sync handlers in a thread, async ones on this
-    loop, the task's timeout applied, a real ``current_job()``."""
+    loop, the task's timeout applied, a real ``current_job()``. Its steps are recorded on
+    ``conn``, in the test's transaction (in memory without one)."""
     threads = ThreadPoolExecutor(1, thread_name_prefix="skiplock-testing")
+    steps = MemoryStore() if conn is None else LockedStore(conn, app.schema)
     try:
-        return await run_leased(app, job, threads, rng=random.Random(), progress=progress)
+        return await run_leased(
+            app, job, threads, rng=random.Random(), progress=progress, steps=steps
+        )
     finally:
         threads.shutdown(wait=False)  # a handler abandoned at its timeout keeps its thread
 
 
-def leased_outcome(app: App, job: ClaimedJob, progress: Progress) -> Outcome:
+def leased_outcome(app: App, job: ClaimedJob, progress: Progress, conn: Conn | None) -> Outcome:
     """The worker's run of a lease-mode job, from sync code."""
-    return _run(_run_leased(app, job, progress))
+    return _run(_run_leased(app, job, progress, conn))
 
 
-async def leased_outcome_async(app: App, job: ClaimedJob, progress: Progress) -> Outcome:
+async def leased_outcome_async(
+    app: App, job: ClaimedJob, progress: Progress, conn: AsyncConn | None
+) -> Outcome:
     """The worker's run of a lease-mode job, on the caller's loop."""
-    return await _run_leased(app, job, progress)
+    return await _run_leased(app, job, progress, conn)
 
 
 def call_transactional(task: Task[Any], conn: Conn, args: dict[str, Any]) -> str | None:

@@ -21,6 +21,7 @@ from skiplock.completer import Completer
 from skiplock.config import control_channel, notify_channel
 from skiplock.control import Wakeup
 from skiplock.cursor import ClaimCursor
+from skiplock.durable import LeasedStore
 from skiplock.events import EventStream
 from skiplock.metrics import MetricsEvents, NullMetrics
 from skiplock.outcomes import Outcome
@@ -187,6 +188,7 @@ class Parts:
             permits=self.gate,
             rng=worker.rng,
             ahead=self.ahead,
+            steps=LeasedStore(self.pools.claims, self.schema, worker.id),
         )
         self.admission = KeyAdmission(
             maintenance,

@@ -245,13 +245,16 @@ class History(LeaderService):
             return
         self._next = now + self._every
         report = await asyncio.to_thread(self._maintain)
-        if report.created or report.dropped or report.pruned_rows or report.pruned_workflows:
+        pruned = report.pruned_rows or report.pruned_workflows or report.pruned_steps
+        if report.created or report.dropped or pruned:
             log.info(
-                "history: created %s, dropped %s, pruned %d rows and %d ended workflows",
+                "history: created %s, dropped %s, pruned %d rows, %d ended workflows and "
+                "%d steps of ended jobs",
                 report.created,
                 report.dropped,
                 report.pruned_rows,
                 report.pruned_workflows,
+                report.pruned_steps,
             )
 
     def _maintain(self) -> history.HistoryReport:

@@ -23,6 +23,7 @@ from skiplock import executor
 from skiplock.app import App
 from skiplock.completer import Completer
 from skiplock.cursor import ClaimCursor
+from skiplock.durable import StepStore
 from skiplock.events import EventStream
 from skiplock.outcomes import Cancelled, Outcome
 from skiplock.sql import claim, render
@@ -81,8 +82,10 @@ class LeasedJobs:
         permits: asyncio.Semaphore | None,
         rng: random.Random,
         ahead: ClaimAhead | None = None,
+        steps: StepStore | None = None,
     ) -> None:
         self._app = app
+        self._steps = steps
         self._worker_id = worker_id
         self._limits = limits
         self.completer = completer
@@ -315,6 +318,7 @@ class LeasedJobs:
             rng=self._rng,
             cancel=cancel,
             progress=entry.report_progress,
+            steps=self._steps,
             on_abandoned=partial(self._hold_slot, slots),
         )
         tracing = self._app.tracing

@@ -1,0 +1,307 @@
+"""Durable steps: a handler's work in named steps, each run once per job, whatever
+happens to the attempts around it.
+
+    @app.task(max_attempts=5)
+    def checkout(order_id: int) -> None:
+        charge = skiplock.step("charge", charge_card, order_id)
+        skiplock.step("receipt", send_receipt, order_id, charge["id"])
+        skiplock.step("webhook", notify_partner, order_id)
+
+A step's result is recorded (migration 0028) when it returns; a later attempt of the same
+job gets the recorded result without running it. In lease mode the record is fenced by
+the attempt, as outcomes are: an attempt that lost its lease records nothing and stops
+(StepNotRecordedError). A transactional job's records are written in its transaction:
+they commit with the job, and roll back with a failed attempt, so its steps run again
+then (their database writes rolled back with them).
+
+A step returns its result as JSON gives it back (a tuple comes back a list), the first
+time as on every later attempt, so a handler sees the same value either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from collections.abc import Callable, Coroutine
+from contextvars import ContextVar
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+from skiplock.context import current_job_or_none
+from skiplock.errors import ConfigurationError, ResultNotStorableError, SkiplockError
+from skiplock.sql import render
+from skiplock.sql import steps as statements
+from skiplock.storable import problem_in, storable_json_text
+from skiplock.types import ClaimedJob
+
+T = TypeVar("T")
+
+MAX_STEP_NAME = 200
+MAX_STEP_RESULT_BYTES = 1024 * 1024
+
+
+class StepNotRecordedError(SkiplockError):
+    """The attempt no longer holds its job (its lease ran out and the job was given to
+    another attempt): the step ran, but is not recorded, and this attempt must stop."""
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop | None, coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on ``loop`` (the worker's, or a test's) from a handler's thread, and
+    wait for it. On the loop's own thread that would never return: refused."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        if loop is not None:
+            return asyncio.run_coroutine_threadsafe(coro, loop).result()
+    coro.close()
+    raise ConfigurationError(
+        "skiplock.step() called on the event loop: in an async handler, "
+        "use `await skiplock.step_async(...)`"
+    )
+
+
+class StepStore:
+    """Where a job's steps are read from and recorded: one per worker (lease mode), per
+    transactional session, or per test drain."""
+
+    async def load(self, job: ClaimedJob) -> dict[str, str | None]:
+        raise NotImplementedError
+
+    async def record(self, job: ClaimedJob, name: str, result: str | None) -> bool:
+        raise NotImplementedError
+
+    def load_sync(self, job: ClaimedJob) -> dict[str, str | None]:
+        raise NotImplementedError
+
+    def record_sync(self, job: ClaimedJob, name: str, result: str | None) -> bool:
+        raise NotImplementedError
+
+
+class LeasedStore(StepStore):
+    """A lease-mode attempt's steps, written on the worker's pool, fenced by the
+    attempt. Sync handlers run in threads: their steps are written on the worker's
+    event loop, and the thread waits for the write."""
+
+    def __init__(self, pool: AsyncConnectionPool[Any], schema: str, worker_id: Any) -> None:
+        self._pool = pool
+        self._schema = schema
+        self._worker_id = worker_id
+        self._loop = asyncio.get_running_loop()
+
+    async def load(self, job: ClaimedJob) -> dict[str, str | None]:
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(render(statements.STEPS_OF_JOB, self._schema), {"id": job.id})
+            return {str(name): result for name, result in await cur.fetchall()}
+
+    async def record(self, job: ClaimedJob, name: str, result: str | None) -> bool:
+        params = {
+            "id": job.id,
+            "name": name,
+            "result": result,
+            "worker_id": self._worker_id,
+            "batch": json.dumps({str(job.id): {"attempt": job.attempts}}),
+        }
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(render(statements.STEP_RECORD_IF_HELD, self._schema), params)
+            return await cur.fetchone() is not None
+
+    def load_sync(self, job: ClaimedJob) -> dict[str, str | None]:
+        return _on_loop(self._loop, self.load(job))
+
+    def record_sync(self, job: ClaimedJob, name: str, result: str | None) -> bool:
+        return _on_loop(self._loop, self.record(job, name, result))
+
+
+class LockedStore(StepStore):
+    """A transactional attempt's steps (or a test's drain), written on the connection
+    that holds the job: they commit or roll back with its transaction."""
+
+    def __init__(
+        self,
+        conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+        schema: str,
+    ) -> None:
+        self._conn = conn
+        # An async connection is used from a sync handler's thread through its loop.
+        self._loop = (
+            asyncio.get_running_loop() if isinstance(conn, psycopg.AsyncConnection) else None
+        )
+        self._schema = schema
+
+    @staticmethod
+    def _params(job: ClaimedJob, name: str, result: str | None) -> dict[str, Any]:
+        return {"id": job.id, "name": name, "attempt": job.attempts, "result": result}
+
+    async def load(self, job: ClaimedJob) -> dict[str, str | None]:
+        conn = self._conn
+        if not isinstance(conn, psycopg.AsyncConnection):
+            return self.load_sync(job)
+        cur = await conn.execute(render(statements.STEPS_OF_JOB, self._schema), {"id": job.id})
+        return {str(name): result for name, result in await cur.fetchall()}
+
+    async def record(self, job: ClaimedJob, name: str, result: str | None) -> bool:
+        conn = self._conn
+        if not isinstance(conn, psycopg.AsyncConnection):
+            return self.record_sync(job, name, result)
+        cur = await conn.execute(
+            render(statements.STEP_RECORD_LOCKED, self._schema), self._params(job, name, result)
+        )
+        return await cur.fetchone() is not None
+
+    def load_sync(self, job: ClaimedJob) -> dict[str, str | None]:
+        conn = self._conn
+        if isinstance(conn, psycopg.AsyncConnection):
+            return _on_loop(self._loop, self.load(job))
+        cur = conn.execute(render(statements.STEPS_OF_JOB, self._schema), {"id": job.id})
+        return {str(name): result for name, result in cur.fetchall()}
+
+    def record_sync(self, job: ClaimedJob, name: str, result: str | None) -> bool:
+        conn = self._conn
+        if isinstance(conn, psycopg.AsyncConnection):
+            return _on_loop(self._loop, self.record(job, name, result))
+        cur = conn.execute(
+            render(statements.STEP_RECORD_LOCKED, self._schema), self._params(job, name, result)
+        )
+        return cur.fetchone() is not None
+
+
+class MemoryStore(StepStore):
+    """Steps kept in memory, for ``skiplock.testing.perform_job`` without a database:
+    each runs once per call."""
+
+    def __init__(self) -> None:
+        self._recorded: dict[str, str | None] = {}
+
+    async def load(self, job: ClaimedJob) -> dict[str, str | None]:
+        return self.load_sync(job)
+
+    async def record(self, job: ClaimedJob, name: str, result: str | None) -> bool:
+        return self.record_sync(job, name, result)
+
+    def load_sync(self, job: ClaimedJob) -> dict[str, str | None]:
+        return dict(self._recorded)
+
+    def record_sync(self, job: ClaimedJob, name: str, result: str | None) -> bool:
+        self._recorded.setdefault(name, result)
+        return True
+
+
+class _Attempt:
+    """One attempt's steps: those recorded before (read at its first step) and the
+    names it has used. Made at the attempt's first step: a job without steps costs one
+    context variable."""
+
+    def __init__(self, store: StepStore, job: ClaimedJob) -> None:
+        self.store = store
+        self.job = job
+        self.recorded: dict[str, str | None] | None = None
+        self.used: set[str] = set()
+
+    def claim_name(self, name: object) -> str:
+        if not isinstance(name, str) or not name or len(name) > MAX_STEP_NAME:
+            raise ConfigurationError(
+                f"a step name is a non-empty string of at most {MAX_STEP_NAME} characters, "
+                f"got {name!r}"
+            )
+        if not storable_json_text(json.dumps(name)):
+            raise ConfigurationError(f"step name {name!r} cannot be stored: {problem_in(name)}")
+        if name in self.used:
+            raise ConfigurationError(
+                f"step {name!r} ran already in this attempt: step names are unique within a "
+                f"job (put a loop's index in the name: f'{name} {{i}}')"
+            )
+        self.used.add(name)
+        return name
+
+
+_store: ContextVar[StepStore | None] = ContextVar("skiplock_step_store", default=None)
+_attempt: ContextVar[_Attempt | None] = ContextVar("skiplock_steps", default=None)
+
+
+def set_step_store(store: StepStore | None) -> None:
+    """Where the steps of the job this context runs are kept; None outside a job."""
+    _store.set(store)
+
+
+def _current(what: str) -> _Attempt:
+    store, job = _store.get(), current_job_or_none()
+    if store is None or job is None:
+        raise RuntimeError(f"skiplock.{what}() called outside a running job")
+    attempt = _attempt.get()
+    # A transactional session's jobs share one context, one after another.
+    if attempt is None or attempt.job is not job:
+        attempt = _Attempt(store, job)
+        _attempt.set(attempt)
+    return attempt
+
+
+def _encode(name: str, value: object) -> str | None:
+    """The step's result as JSON text, or refused saying why: a value JSON has no form
+    for would come back different on a later attempt."""
+    if value is None:
+        return None
+    try:
+        text = json.dumps(value, allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ResultNotStorableError(
+            f"step {name!r}: its result must be JSON (dict, list, str, int, float, bool or "
+            f"None): {exc}"
+        ) from None
+    if len(text.encode()) > MAX_STEP_RESULT_BYTES:
+        raise ResultNotStorableError(
+            f"step {name!r}: its result is {len(text.encode()):,} bytes of JSON; "
+            f"keep it under {MAX_STEP_RESULT_BYTES // 1024} KiB"
+        )
+    if not storable_json_text(text):
+        raise ResultNotStorableError(f"step {name!r}: result not storable: {problem_in(value)}")
+    return text
+
+
+def _decoded(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+def _refused(name: str, attempt: _Attempt) -> StepNotRecordedError:
+    job = attempt.job
+    return StepNotRecordedError(
+        f"step {name!r} of job {job.id}: attempt {job.attempts} no longer holds the job "
+        "(its lease ran out); the step ran but is not recorded"
+    )
+
+
+def step(name: str, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` as the step ``name`` of the running job, once: if an
+    earlier attempt recorded it, return its recorded result without calling ``fn``.
+    The result must be JSON; it is returned as JSON gives it back."""
+    attempt = _current("step")
+    name = attempt.claim_name(name)
+    if attempt.recorded is None:
+        attempt.recorded = attempt.store.load_sync(attempt.job)
+    if name in attempt.recorded:
+        return _decoded(attempt.recorded[name])
+    text = _encode(name, fn(*args, **kwargs))
+    if not attempt.store.record_sync(attempt.job, name, text):
+        raise _refused(name, attempt)
+    attempt.recorded[name] = text
+    return _decoded(text)
+
+
+async def step_async(name: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``step`` for async handlers: ``fn`` may be a coroutine function or a plain one."""
+    attempt = _current("step_async")
+    name = attempt.claim_name(name)
+    if attempt.recorded is None:
+        attempt.recorded = await attempt.store.load(attempt.job)
+    if name in attempt.recorded:
+        return _decoded(attempt.recorded[name])
+    value = fn(*args, **kwargs)
+    if inspect.isawaitable(value):
+        value = await value
+    text = _encode(name, value)
+    if not await attempt.store.record(attempt.job, name, text):
+        raise _refused(name, attempt)
+    attempt.recorded[name] = text
+    return _decoded(text)
