@@ -9,7 +9,7 @@ from skiplock.admin_async import AsyncAdmin
 from skiplock.app import App
 from skiplock.batch import Batch, BatchCounts, batch_counts, batch_counts_async
 from skiplock.context import cancel_requested, current_job, set_progress
-from skiplock.durable import StepNotRecordedError, step, step_async
+from skiplock.durable import LeaseLostError, complete, complete_async, step, step_async
 from skiplock.errors import (
     ConfigurationError,
     EnqueueError,
@@ -52,13 +52,13 @@ __all__ = [
     "JobRef",
     "JobSpec",
     "JobState",
+    "LeaseLostError",
     "Retry",
     "RetryPolicy",
     "SchemaNotReadyError",
     "SkiplockError",
     "Snooze",
     "Step",
-    "StepNotRecordedError",
     "Task",
     "UnknownTaskError",
     "Worker",
@@ -72,6 +72,8 @@ __all__ = [
     "cancel_requested",
     "chain",
     "chord",
+    "complete",
+    "complete_async",
     "current_job",
     "group",
     "parent_results",

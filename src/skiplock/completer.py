@@ -258,7 +258,8 @@ class Completer:
             elif job_id in dropped:
                 found_dropped += 1
             elif job_id not in written:
-                refused.append(outcome)
+                if not getattr(outcome, "by_handler", False):
+                    refused.append(outcome)
             else:
                 kinds[kind] = kinds.get(kind, 0) + 1
         self._on_flush(len(settled), len(refused))

@@ -10,7 +10,7 @@ happens to the attempts around it.
 A step's result is recorded (migration 0028) when it returns; a later attempt of the same
 job gets the recorded result without running it. In lease mode the record is fenced by
 the attempt, as outcomes are: an attempt that lost its lease records nothing and stops
-(StepNotRecordedError). A transactional job's records are written in its transaction:
+(LeaseLostError). A transactional job's records are written in its transaction:
 they commit with the job, and roll back with a failed attempt, so its steps run again
 then (their database writes rolled back with them).
 
@@ -30,11 +30,13 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
+from skiplock.config import done_channel
 from skiplock.context import current_job_or_none
 from skiplock.errors import ConfigurationError, ResultNotStorableError, SkiplockError
+from skiplock.sql import complete as complete_sql
 from skiplock.sql import render
 from skiplock.sql import steps as statements
-from skiplock.storable import problem_in, storable_json_text
+from skiplock.storable import encode_result, problem_in, storable_json_text
 from skiplock.types import ClaimedJob
 
 T = TypeVar("T")
@@ -43,9 +45,10 @@ MAX_STEP_NAME = 200
 MAX_STEP_RESULT_BYTES = 1024 * 1024
 
 
-class StepNotRecordedError(SkiplockError):
+class LeaseLostError(SkiplockError):
     """The attempt no longer holds its job (its lease ran out and the job was given to
-    another attempt): the step ran, but is not recorded, and this attempt must stop."""
+    another attempt): a step it ran is not recorded, its completion is refused, and the
+    attempt must stop."""
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop | None, coro: Coroutine[Any, Any, T]) -> T:
@@ -88,8 +91,12 @@ class LeasedStore(StepStore):
     def __init__(self, pool: AsyncConnectionPool[Any], schema: str, worker_id: Any) -> None:
         self._pool = pool
         self._schema = schema
-        self._worker_id = worker_id
+        self.worker_id = self._worker_id = worker_id
+        self.done_channel = done_channel(schema)
         self._loop = asyncio.get_running_loop()
+
+    def sql(self, template: str) -> str:
+        return render(template, self._schema)
 
     async def load(self, job: ClaimedJob) -> dict[str, str | None]:
         async with self._pool.connection() as conn:
@@ -199,6 +206,7 @@ class _Attempt:
         self.job = job
         self.recorded: dict[str, str | None] | None = None
         self.used: set[str] = set()
+        self.completed = False
 
     def claim_name(self, name: object) -> str:
         if not isinstance(name, str) or not name or len(name) > MAX_STEP_NAME:
@@ -219,11 +227,14 @@ class _Attempt:
 
 _store: ContextVar[StepStore | None] = ContextVar("skiplock_step_store", default=None)
 _attempt: ContextVar[_Attempt | None] = ContextVar("skiplock_steps", default=None)
+_completing: ContextVar[Callable[[], None] | None] = ContextVar("skiplock_completing", default=None)
 
 
-def set_step_store(store: StepStore | None) -> None:
-    """Where the steps of the job this context runs are kept; None outside a job."""
+def set_step_store(store: StepStore | None, completing: Callable[[], None] | None = None) -> None:
+    """Where the steps of the job this context runs are kept (None outside a job), and
+    whom to tell when its handler completes it in its own transaction (lease mode)."""
     _store.set(store)
+    _completing.set(completing)
 
 
 def _current(what: str) -> _Attempt:
@@ -264,9 +275,9 @@ def _decoded(text: str | None) -> Any:
     return None if text is None else json.loads(text)
 
 
-def _refused(name: str, attempt: _Attempt) -> StepNotRecordedError:
+def _refused(name: str, attempt: _Attempt) -> LeaseLostError:
     job = attempt.job
-    return StepNotRecordedError(
+    return LeaseLostError(
         f"step {name!r} of job {job.id}: attempt {job.attempts} no longer holds the job "
         "(its lease ran out); the step ran but is not recorded"
     )
@@ -305,3 +316,65 @@ async def step_async(name: str, fn: Callable[..., Any], /, *args: Any, **kwargs:
         raise _refused(name, attempt)
     attempt.recorded[name] = text
     return _decoded(text)
+
+
+# -- completion in the handler's own transaction ---------------------------------------
+
+
+def _completion(what: str, result: object) -> tuple[_Attempt, LeasedStore, dict[str, Any]]:
+    attempt = _current(what)
+    store = attempt.store
+    if not isinstance(store, LeasedStore):
+        raise ConfigurationError(
+            f"skiplock.{what}() is for lease-mode jobs run by a worker: a transactional job "
+            "completes with its own transaction already"
+        )
+    if attempt.completed:
+        raise ConfigurationError(f"skiplock.{what}() was called already for this attempt")
+    job = attempt.job
+    entry = {"attempt": job.attempts, "result": encode_result(result)}
+    params = {
+        "ids": [job.id],
+        "batch": json.dumps({str(job.id): entry}),
+        "worker_id": store.worker_id,
+    }
+    return attempt, store, params
+
+
+def _completed(attempt: _Attempt, row: object) -> None:
+    if row is None:
+        job = attempt.job
+        raise LeaseLostError(
+            f"job {job.id}: attempt {job.attempts} no longer holds the job (its lease ran "
+            "out), or this connection is not to its database; not completed"
+        )
+    attempt.completed = True
+    completing = _completing.get()
+    if completing is not None:
+        completing()
+
+
+def complete(conn: psycopg.Connection[Any], /, result: object = None) -> None:
+    """Complete the running lease-mode job in ``conn``'s current transaction, fenced by
+    its attempt: the job moves to history with ``result`` when that transaction commits,
+    together with the caller's own writes in it; if it rolls back, so does the completion.
+    Raises LeaseLostError (and the caller's transaction should roll back) when the
+    attempt no longer holds its job. The transaction must commit before the handler
+    returns; the worker writes nothing more for an attempt completed this way."""
+    attempt, store, params = _completion("complete", result)
+    row = conn.execute(store.sql(complete_sql.JOB_COMPLETE_MANY_IF_LEASED), params).fetchone()
+    if row is not None:
+        conn.execute(store.sql(complete_sql.JOBS_DONE_NOTIFY), {"channel": store.done_channel})
+    _completed(attempt, row)
+
+
+async def complete_async(conn: psycopg.AsyncConnection[Any], /, result: object = None) -> None:
+    """``complete`` on an async connection."""
+    attempt, store, params = _completion("complete_async", result)
+    cur = await conn.execute(store.sql(complete_sql.JOB_COMPLETE_MANY_IF_LEASED), params)
+    row = await cur.fetchone()
+    if row is not None:
+        await conn.execute(
+            store.sql(complete_sql.JOBS_DONE_NOTIFY), {"channel": store.done_channel}
+        )
+    _completed(attempt, row)

@@ -223,12 +223,14 @@ async def run_leased(
     cancel: CancelFlag | None = None,
     progress: Callable[[str], None] | None = None,
     steps: StepStore | None = None,
+    completing: Callable[[], None] | None = None,
     on_abandoned: Callable[[asyncio.Future[Any]], None] | None = None,
 ) -> Outcome:
     """Run a claimed (lease-mode) job to an outcome. Never raises, except cancellation.
 
     ``cancel`` is what ``skiplock.cancel_requested()`` reads inside the handler,
-    ``steps`` where ``skiplock.step()`` records;
+    ``steps`` where ``skiplock.step()`` records, ``completing`` called when the handler
+    completes the job in its own transaction (``skiplock.complete``);
     ``on_abandoned`` gets the future of a sync handler left running after its timeout."""
     policy = DEFAULT_POLICY
     try:
@@ -238,7 +240,7 @@ async def run_leased(
             raise ArgumentsError(job.args_error)
         # Each asyncio task runs in its own context copy, so this is per job.
         set_current_job(job, cancel, progress)
-        set_step_store(steps)  # where skiplock.step() keeps this job's steps
+        set_step_store(steps, completing)  # for skiplock.step() and skiplock.complete()
         if task.is_async:
             coro = task.fn(**job.args)
             timeout = task.options.timeout

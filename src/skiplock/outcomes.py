@@ -37,6 +37,9 @@ class Completed:
     result_json: str | None = None
     # The handler's latest set_progress() not yet written: it goes in with the outcome.
     progress_json: str | None = None
+    # The handler completed the job in its own transaction (skiplock.complete): a
+    # write that matches no row is that, not a lost lease.
+    by_handler: bool = False
 
     kind: ClassVar[str] = "completed"
     group: ClassVar[str] = "completed"

@@ -156,7 +156,7 @@ def test_an_attempt_that_lost_its_job_records_no_step_and_is_told(
     sem: Sem, workers: StartWorkers
 ) -> None:
     """The fence: once the job's attempt moved on (a rescue gave it to another worker),
-    the old attempt's step is not recorded, and the handler gets StepNotRecordedError."""
+    the old attempt's step is not recorded, and the handler gets LeaseLostError."""
     seen: list[BaseException] = []
 
     @sem.app.task(name="stale", max_attempts=1)
@@ -167,7 +167,7 @@ def test_an_attempt_that_lost_its_job_records_no_step_and_is_told(
         sem.execute("UPDATE {jobs} SET attempts = attempts + 1 WHERE id = %s", (job.id,))
         try:
             skiplock.step("second", lambda: 2)
-        except skiplock.StepNotRecordedError as exc:
+        except skiplock.LeaseLostError as exc:
             seen.append(exc)
             raise
 

@@ -238,7 +238,7 @@ class Heartbeat(PeriodicService):
         for job_id, asked, extended in rows:
             if asked:
                 self._request_cancel(job_id)  # its notification may have been missed
-            if not extended and job_id not in self._locked:
+            if not extended and job_id not in self._locked and not _by_handler(held, job_id):
                 log.warning(
                     "job %s: its row is locked by another transaction; its lease is "
                     "extended once the lock is released",
@@ -249,7 +249,7 @@ class Heartbeat(PeriodicService):
             if not extended:
                 self._locked.add(job_id)
         for job_id, entry in held.items():
-            if job_id in kept or not entry.held:
+            if job_id in kept or not entry.held or entry.completed_by_handler:
                 continue
             # Lost between heartbeats, or finished and already flushed: only the former
             # is still held here with no outcome pending.
@@ -364,3 +364,10 @@ class Heartbeat(PeriodicService):
                     "progress": encoded,
                 },
             )
+
+
+def _by_handler(held: dict[int, RunningJob], job_id: int) -> bool:
+    """Whether the job's handler completed it in its own transaction, whose lock on the
+    row the beat skipped: expected, not worth a warning."""
+    entry = held.get(job_id)
+    return entry is not None and entry.completed_by_handler

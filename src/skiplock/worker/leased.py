@@ -25,7 +25,7 @@ from skiplock.completer import Completer
 from skiplock.cursor import ClaimCursor
 from skiplock.durable import StepStore
 from skiplock.events import EventStream
-from skiplock.outcomes import Cancelled, Outcome
+from skiplock.outcomes import Cancelled, Completed, Outcome
 from skiplock.sql import claim, render
 from skiplock.types import ClaimedJob
 from skiplock.worker.limits import QueueLimits
@@ -319,6 +319,7 @@ class LeasedJobs:
             cancel=cancel,
             progress=entry.report_progress,
             steps=self._steps,
+            completing=entry.completing,
             on_abandoned=partial(self._hold_slot, slots),
         )
         tracing = self._app.tracing
@@ -348,6 +349,10 @@ class LeasedJobs:
         progress = entry.take_progress()
         if progress is not None:
             outcome = dataclasses.replace(outcome, progress_json=progress)
+        if entry.completed_by_handler and isinstance(outcome, Completed):
+            # Its row went with the handler's transaction: the write matching nothing
+            # is expected (if that transaction rolled back, the write completes the job).
+            outcome = dataclasses.replace(outcome, by_handler=True)
         if self.ahead is not None:
             self.ahead.job_ended(seconds)
         self._events.ended(job, outcome, seconds)

@@ -46,6 +46,7 @@ class RunningJob:
         "began",
         "cancel",
         "claim",
+        "completed_by_handler",
         "given_back",
         "held",
         "id",
@@ -74,11 +75,18 @@ class RunningJob:
         self.started_at: float | None = None
         # Given back unstarted: its task ends without an outcome.
         self.given_back = False
+        # Its handler completed it in its own transaction (skiplock.complete): the row
+        # is gone, or about to go, and that is no lost lease.
+        self.completed_by_handler = False
         # Still the attempt of its job this worker holds (kept by RunningJobs): read as an
         # attribute, on the path of every job.
         self.held = True
         self._progress: tuple[int, str] | None = None
         self._progress_taken = 0
+
+    def completing(self) -> None:
+        """Its handler completed it (``skiplock.complete``), from any thread."""
+        self.completed_by_handler = True
 
     def report_progress(self, encoded: str) -> None:
         """The handler's latest ``set_progress`` (from any thread): the last one wins."""
