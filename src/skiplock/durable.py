@@ -23,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
@@ -40,6 +42,8 @@ from skiplock.storable import encode_result, problem_in, storable_json_text
 from skiplock.types import ClaimedJob
 
 T = TypeVar("T")
+
+log = logging.getLogger("skiplock.worker")
 
 MAX_STEP_NAME = 200
 MAX_STEP_RESULT_BYTES = 1024 * 1024
@@ -83,43 +87,134 @@ class StepStore:
         raise NotImplementedError
 
 
+_Answer = asyncio.Future[T] | Future[T]
+
+
 class LeasedStore(StepStore):
-    """A lease-mode attempt's steps, written on the worker's pool, fenced by the
-    attempt. Sync handlers run in threads: their steps are written on the worker's
-    event loop, and the thread waits for the write."""
+    """Lease-mode attempts' steps, read and recorded on the worker's pool, fenced by each
+    attempt. The reads and records that come in while one batch is written wait and go
+    together in the next (``run``, a service of the worker): one statement for many jobs'
+    steps, and one connection, however many handlers take steps at once. Sync handlers
+    run in threads: their requests go to the worker's event loop, and the thread waits."""
 
     def __init__(self, pool: AsyncConnectionPool[Any], schema: str, worker_id: Any) -> None:
         self._pool = pool
         self._schema = schema
-        self.worker_id = self._worker_id = worker_id
+        self.worker_id = worker_id
         self.done_channel = done_channel(schema)
         self._loop = asyncio.get_running_loop()
+        # Each request's future: an asyncio one (async handlers) or a thread-safe one.
+        self._loads: list[tuple[int, _Answer[dict[str, str | None]]]] = []
+        self._records: list[tuple[ClaimedJob, str, str | None, _Answer[bool]]] = []
+        self._ready = asyncio.Event()
 
     def sql(self, template: str) -> str:
         return render(template, self._schema)
 
     async def load(self, job: ClaimedJob) -> dict[str, str | None]:
-        async with self._pool.connection() as conn:
-            cur = await conn.execute(render(statements.STEPS_OF_JOB, self._schema), {"id": job.id})
-            return {str(name): result for name, result in await cur.fetchall()}
+        future: asyncio.Future[dict[str, str | None]] = self._loop.create_future()
+        self._loads.append((job.id, future))
+        self._ready.set()
+        return await future
 
     async def record(self, job: ClaimedJob, name: str, result: str | None) -> bool:
-        params = {
-            "id": job.id,
-            "name": name,
-            "result": result,
-            "worker_id": self._worker_id,
-            "batch": json.dumps({str(job.id): {"attempt": job.attempts}}),
-        }
-        async with self._pool.connection() as conn:
-            cur = await conn.execute(render(statements.STEP_RECORD_IF_HELD, self._schema), params)
-            return await cur.fetchone() is not None
+        future: asyncio.Future[bool] = self._loop.create_future()
+        self._records.append((job, name, result, future))
+        self._ready.set()
+        return await future
 
     def load_sync(self, job: ClaimedJob) -> dict[str, str | None]:
-        return _on_loop(self._loop, self.load(job))
+        future: Future[dict[str, str | None]] = Future()
+        self._from_thread(self._add_load, (job.id, future))
+        return future.result()
 
     def record_sync(self, job: ClaimedJob, name: str, result: str | None) -> bool:
-        return _on_loop(self._loop, self.record(job, name, result))
+        future: Future[bool] = Future()
+        self._from_thread(self._add_record, (job, name, result, future))
+        return future.result()
+
+    def _from_thread(self, add: Callable[[Any], None], request: Any) -> None:
+        """Hand a sync handler's request to the event loop's next batch (one callback, no
+        task per step); the batch answers it through its thread-safe future."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop.call_soon_threadsafe(add, request)
+            return
+        raise ConfigurationError(
+            "skiplock.step() called on the event loop: in an async handler, "
+            "use `await skiplock.step_async(...)`"
+        )
+
+    # On the loop: to the list of the batch still to come (run_once takes the lists whole,
+    # so a request must be added to whichever list is current when it arrives).
+    def _add_load(self, request: tuple[int, _Answer[dict[str, str | None]]]) -> None:
+        self._loads.append(request)
+        self._ready.set()
+
+    def _add_record(self, request: tuple[ClaimedJob, str, str | None, _Answer[bool]]) -> None:
+        self._records.append(request)
+        self._ready.set()
+
+    async def run(self) -> None:
+        """Write what steps ask for, a batch at a time, until cancelled."""
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            await self.run_once()
+
+    async def run_once(self) -> None:
+        """One batch: the reads, then the records, asked for since the last. A batch the
+        database does not take fails the steps waiting for it (their attempts fail, and
+        are retried as any failure): nothing is recorded that was not written."""
+        loads, self._loads = self._loads, []
+        records, self._records = self._records, []
+        if not loads and not records:
+            return
+        try:
+            async with self._pool.connection() as conn:
+                if loads:
+                    await self._answer_loads(conn, loads)
+                if records:
+                    await self._write_records(conn, records)
+        except Exception as exc:
+            log.warning("recording durable steps failed (%s): their attempts fail", exc)
+            waiting: list[_Answer[Any]] = [f for _, f in loads]
+            waiting += [r[3] for r in records]
+            for future in waiting:
+                if not future.done():
+                    future.set_exception(exc)
+
+    async def _answer_loads(
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        loads: list[tuple[int, _Answer[dict[str, str | None]]]],
+    ) -> None:
+        cur = await conn.execute(self.sql(statements.STEPS_OF_JOBS), {"ids": [i for i, _ in loads]})
+        found: dict[int, dict[str, str | None]] = {}
+        for job_id, name, result in await cur.fetchall():
+            found.setdefault(int(job_id), {})[str(name)] = result
+        for job_id, future in loads:
+            if not future.done():
+                future.set_result(dict(found.get(job_id, {})))
+
+    async def _write_records(
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        records: list[tuple[ClaimedJob, str, str | None, _Answer[bool]]],
+    ) -> None:
+        params = {
+            "ids": [job.id for job, _, _, _ in records],
+            "attempts": [job.attempts for job, _, _, _ in records],
+            "names": [name for _, name, _, _ in records],
+            "results": [result for _, _, result, _ in records],
+            "worker_id": self.worker_id,
+        }
+        cur = await conn.execute(self.sql(statements.STEPS_RECORD_IF_HELD), params)
+        written = {(int(job_id), str(name)) for job_id, name in await cur.fetchall()}
+        for job, name, _, future in records:
+            if not future.done():
+                future.set_result((job.id, name) in written)
 
 
 class LockedStore(StepStore):
@@ -146,8 +241,8 @@ class LockedStore(StepStore):
         conn = self._conn
         if not isinstance(conn, psycopg.AsyncConnection):
             return self.load_sync(job)
-        cur = await conn.execute(render(statements.STEPS_OF_JOB, self._schema), {"id": job.id})
-        return {str(name): result for name, result in await cur.fetchall()}
+        cur = await conn.execute(render(statements.STEPS_OF_JOBS, self._schema), {"ids": [job.id]})
+        return {str(name): result for _, name, result in await cur.fetchall()}
 
     async def record(self, job: ClaimedJob, name: str, result: str | None) -> bool:
         conn = self._conn
@@ -162,8 +257,8 @@ class LockedStore(StepStore):
         conn = self._conn
         if isinstance(conn, psycopg.AsyncConnection):
             return _on_loop(self._loop, self.load(job))
-        cur = conn.execute(render(statements.STEPS_OF_JOB, self._schema), {"id": job.id})
-        return {str(name): result for name, result in cur.fetchall()}
+        cur = conn.execute(render(statements.STEPS_OF_JOBS, self._schema), {"ids": [job.id]})
+        return {str(name): result for _, name, result in cur.fetchall()}
 
     def record_sync(self, job: ClaimedJob, name: str, result: str | None) -> bool:
         conn = self._conn

@@ -288,3 +288,25 @@ def test_the_checkout_example_of_the_docs_charges_once(sem: Sem, tmp_path: Path)
     assert printed.count("receipt for 7: ch_7") == 1, printed
     assert printed.count("partner told about 7") == 1, printed
     assert sem.job(job_id).result == "ch_7"
+
+
+def test_many_sync_handlers_taking_steps_at_once_each_complete_in_one_attempt(
+    sem: Sem, workers: StartWorkers
+) -> None:
+    """Steps of many jobs go to the database in batches; requests from handler threads
+    arrive while a batch is taken and written, and each must land in a batch and be
+    answered as written (a lost one hung its job, a late one read as a lost lease)."""
+
+    @sem.app.task(name="many", max_attempts=1)
+    def many() -> int:
+        return sum(int(skiplock.step(f"s{n}", lambda n=n: n)) for n in range(10))
+
+    workers(1, concurrency=20)
+    ids = sem.enqueue_many([many.job() for _ in range(300)])
+    sem.wait_for_all(ids, "completed", timeout=PATIENCE)
+
+    rows = sem.execute(
+        "SELECT count(*), max(attempts), min(result::int) FROM {history} WHERE id = ANY(%s)",
+        (ids,),
+    )
+    assert rows == [(300, 1, 45)]

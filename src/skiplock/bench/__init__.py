@@ -46,6 +46,7 @@ SCENARIOS = {
     "late-commit": "late_commit",
     "dashboard": "dashboard",
     "workflow": "workflow",
+    "steps": "steps",
     "hosts": "hosts",
     "failover": "failover",
 }

@@ -7,6 +7,7 @@ import asyncio
 import os
 import time
 
+from skiplock import durable as skiplock_durable
 from skiplock.app import App
 from skiplock.config import SCHEMA_ENV
 
@@ -31,3 +32,25 @@ async def pause(ms: int) -> None:
 async def probe() -> float:
     """Returns when it started, so latency is computed from the stored result."""
     return time.time()
+
+
+# Steps per job of the steps scenario (bench/steps.py).
+STEPS = 10
+
+
+def _nothing() -> None:
+    return None
+
+
+@app.task(name="bench.stepped")
+async def stepped() -> None:
+    """STEPS durable steps that do nothing: what recording them costs."""
+    for n in range(STEPS):
+        await skiplock_durable.step_async(f"s{n}", _nothing)
+
+
+@app.task(name="bench.stepped_sync")
+def stepped_sync() -> None:
+    """The same from a sync handler's thread (each record goes through the event loop)."""
+    for n in range(STEPS):
+        skiplock_durable.step(f"s{n}", _nothing)

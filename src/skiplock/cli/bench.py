@@ -35,6 +35,7 @@ SCENARIOS = (
     "late-commit",
     "dashboard",
     "workflow",
+    "steps",
     "hosts",
     "failover",
 )

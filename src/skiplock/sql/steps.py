@@ -1,29 +1,27 @@
 """Durable steps (0028): what a job's earlier attempts recorded, and recording a step."""
 
-from skiplock.sql.fence import HELD
-
-# Every step a job's attempts recorded, to answer this attempt's steps from.
-STEPS_OF_JOB = """
-SELECT name, result::text FROM {job_steps} WHERE job_id = %(id)s
+# Every step the attempts of these jobs recorded, to answer their current attempts'
+# steps from (the worker asks for the jobs whose first step came in the same moment).
+STEPS_OF_JOBS = """
+SELECT job_id, name, result::text FROM {job_steps} WHERE job_id = ANY(%(ids)s::bigint[])
 """
 
-# A lease-mode attempt records a step only while it still holds its job (the fence of
-# every worker write): one that lost its lease records nothing. %(batch)s names the
-# attempt as the outcome statements do. A name recorded already (by an attempt that
-# overlapped this one) is kept: it comes back as not recorded, and is read back.
-STEP_RECORD_IF_HELD = (
-    """
+# Lease-mode attempts record their steps only while they still hold their jobs: the fence
+# of every worker write (sql/fence.py), applied to each given row with its own attempt,
+# since a batch gathers the steps of many jobs. A step of an attempt that lost its job is
+# not written. A name recorded already (by an attempt that overlapped this one) is kept.
+# Rows come back for the steps written.
+STEPS_RECORD_IF_HELD = """
 INSERT INTO {job_steps} (job_id, name, attempt, result)
-SELECT j.id, %(name)s, j.attempts, %(result)s::jsonb
-FROM {jobs} AS j
-WHERE j.id = %(id)s
-  AND """
-    + HELD
-    + """
+SELECT g.job_id, g.name, g.attempt, g.result::jsonb
+FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(names)s::text[], %(results)s::text[])
+     AS g(job_id, attempt, name, result)
+WHERE EXISTS (SELECT 1 FROM {jobs} AS j
+              WHERE j.id = g.job_id AND j.attempts = g.attempt
+                AND j.worker_id = %(worker_id)s)
 ON CONFLICT (job_id, name) DO NOTHING
-RETURNING job_id
+RETURNING job_id, name
 """
-)
 
 # A transactional attempt holds its job's row for its whole transaction: the step's
 # record commits with the job, or rolls back with a failed attempt's savepoint.

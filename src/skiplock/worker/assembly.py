@@ -178,6 +178,8 @@ class Parts:
             on_retry_written=self.promotion.wake.set,
             on_flush=worker.flushed,
         )
+        # Durable steps of lease-mode jobs, read and recorded in batches (durable.py).
+        self.steps = LeasedStore(self.pools.claims, self.schema, worker.id)
         self.jobs = LeasedJobs(
             worker.app,
             worker.id,
@@ -188,7 +190,7 @@ class Parts:
             permits=self.gate,
             rng=worker.rng,
             ahead=self.ahead,
-            steps=LeasedStore(self.pools.claims, self.schema, worker.id),
+            steps=self.steps,
         )
         self.admission = KeyAdmission(
             maintenance,
@@ -347,6 +349,7 @@ class Parts:
         if self.worker.listen:
             supervisor.start(self.listener)
         supervisor.start(Loop("completer", self.completer.run))
+        supervisor.start(Loop("steps", self.steps.run))
         supervisor.start(self.promotion)
         if self.wakeups is not None:
             supervisor.start(
