@@ -204,6 +204,11 @@ EXPECTED_FIGURES = {
         "drain, 300 steps as fan-out/fan-in workflows",
         "drain, 300 steps as one fan-in",
     ],
+    "steps": [
+        "steps: 30 plain jobs",
+        "steps: 30 jobs of 10 steps, async handlers",
+        "steps: 30 jobs of 10 steps, sync handlers",
+    ],
 }
 PHASES = ["warm-up", "clean", "held", "recovery"]
 

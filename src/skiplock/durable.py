@@ -316,8 +316,13 @@ class _Attempt:
                 f"step {name!r} ran already in this attempt: step names are unique within a "
                 f"job (put a loop's index in the name: f'{name} {{i}}')"
             )
-        self.used.add(name)
         return name
+
+    def done(self, name: str, text: str | None) -> Any:
+        """The step ``name`` returned (or was answered from its record): used from now on
+        in this attempt. A step that raised is not, and may be tried again in it."""
+        self.used.add(name)
+        return _decoded(text)
 
 
 _store: ContextVar[StepStore | None] = ContextVar("skiplock_step_store", default=None)
@@ -387,12 +392,12 @@ def step(name: str, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Any:
     if attempt.recorded is None:
         attempt.recorded = attempt.store.load_sync(attempt.job)
     if name in attempt.recorded:
-        return _decoded(attempt.recorded[name])
+        return attempt.done(name, attempt.recorded[name])
     text = _encode(name, fn(*args, **kwargs))
     if not attempt.store.record_sync(attempt.job, name, text):
         raise _refused(name, attempt)
     attempt.recorded[name] = text
-    return _decoded(text)
+    return attempt.done(name, text)
 
 
 async def step_async(name: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
@@ -402,7 +407,7 @@ async def step_async(name: str, fn: Callable[..., Any], /, *args: Any, **kwargs:
     if attempt.recorded is None:
         attempt.recorded = await attempt.store.load(attempt.job)
     if name in attempt.recorded:
-        return _decoded(attempt.recorded[name])
+        return attempt.done(name, attempt.recorded[name])
     value = fn(*args, **kwargs)
     if inspect.isawaitable(value):
         value = await value
@@ -410,7 +415,7 @@ async def step_async(name: str, fn: Callable[..., Any], /, *args: Any, **kwargs:
     if not await attempt.store.record(attempt.job, name, text):
         raise _refused(name, attempt)
     attempt.recorded[name] = text
-    return _decoded(text)
+    return attempt.done(name, text)
 
 
 # -- completion in the handler's own transaction ---------------------------------------

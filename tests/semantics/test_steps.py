@@ -130,6 +130,34 @@ def test_a_step_name_used_twice_in_one_attempt_fails_it_saying_so(
     assert recorded(sem, ref) == [("page", 1, 0)]
 
 
+def test_a_step_that_raised_may_be_tried_again_in_the_same_attempt(
+    sem: Sem, workers: StartWorkers
+) -> None:
+    """Only a step that returned uses its name: one that raised recorded nothing, and a
+    handler that catches the error may call it again."""
+    tries: list[int] = []
+
+    def flaky() -> str:
+        tries.append(1)
+        if len(tries) == 1:
+            raise ConnectionError("the first try fails")
+        return "second try"
+
+    @sem.app.task(name="again", max_attempts=1)
+    def again() -> str:
+        try:
+            return str(skiplock.step("call", flaky))
+        except ConnectionError:
+            return str(skiplock.step("call", flaky))
+
+    workers(1)
+    ref = sem.enqueue(again)
+    sem.wait_for_state(ref, "completed", timeout=PATIENCE)
+
+    assert sem.job(ref).result == "second try"
+    assert recorded(sem, ref) == [("call", 1, "second try")]
+
+
 @pytest.mark.parametrize(
     ("value", "reason"),
     [({1, 2}, "must be JSON"), (float("nan"), "must be JSON"), ("a\x00b", "not storable")],
