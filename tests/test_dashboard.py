@@ -304,6 +304,17 @@ def test_job_page_shows_everything_about_a_job(
     assert "&#34;total&#34;: 42" in finished and "completed" in finished
     assert 'id="retry"' not in finished and 'id="cancel"' not in finished
 
+    with app.connect() as conn:
+        conn.execute(
+            f"UPDATE {SCHEMA}.jobs SET state = 'waiting', wait_key = 'payment:<7>', "
+            "wait_step = 'wait:payment:<7>', wait_until = now() + interval '1 hour' "
+            "WHERE id = %s",
+            (job_id,),
+        )
+        conn.commit()
+    waiting = web.get(f"/jobs/{job_id}").text
+    assert re.search(r'id="job-waits">signal <code>payment:&lt;7&gt;</code>, until \d{4}-', waiting)
+
     missing = web.get("/jobs/987654")
     assert missing.status_code == 404
     assert "no job with id 987654" in missing.text

@@ -518,8 +518,8 @@ def test_the_newest_migrations_apply_to_a_million_jobs_while_a_worker_drains(
         with psycopg.connect(database_url, autocommit=True) as owner:
             for statement in grants.statements(scratch_schema, role, grants.Use.WORKER):
                 # The history functions come with 0012, the workflow tables with 0022,
-                # the durable steps' with 0028.
-                later = ('"workflow', '"job_steps"')
+                # the durable steps' with 0028, signals with 0029.
+                later = ('"workflow', '"job_steps"', '"signals"')
                 if "FUNCTION" not in statement and not any(t in statement for t in later):
                     # jobs.meta: 0017, jobs.workflow_id: 0022
                     owner.execute(statement.replace(", meta, workflow_id)", ")"))

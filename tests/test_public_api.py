@@ -30,6 +30,7 @@ PUBLIC = [
     "Step",
     "Task",
     "UnknownTaskError",
+    "WaitTimeout",
     "Worker",
     "WorkerOptions",
     "Workflow",
@@ -48,8 +49,12 @@ PUBLIC = [
     "parent_results",
     "parent_results_async",
     "set_progress",
+    "sleep",
+    "sleep_async",
     "step",
     "step_async",
+    "wait_for",
+    "wait_for_async",
 ]
 
 
@@ -82,6 +87,7 @@ def test_errors_share_one_base() -> None:
         skiplock.JobNotFoundError,
         skiplock.SchemaNotReadyError,
         skiplock.UnknownTaskError,
+        skiplock.WaitTimeout,
     ]
 
     assert all(issubclass(error, skiplock.SkiplockError) for error in errors)

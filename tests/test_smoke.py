@@ -209,6 +209,12 @@ EXPECTED_FIGURES = {
         "steps: 30 jobs of 10 steps, async handlers",
         "steps: 30 jobs of 10 steps, sync handlers",
     ],
+    "signals": [
+        "signals: 300 waits, signal commit to resume p50",
+        "signals: drain of 300 plain jobs",
+        "signals: the same beside 3,000 waiting and sleeping",
+    ],
+    "steps-chaos": ["steps-chaos: 300 jobs of 3 steps, a SIGKILL a second"],
 }
 PHASES = ["warm-up", "clean", "held", "recovery"]
 

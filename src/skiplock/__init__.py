@@ -9,7 +9,17 @@ from skiplock.admin_async import AsyncAdmin
 from skiplock.app import App
 from skiplock.batch import Batch, BatchCounts, batch_counts, batch_counts_async
 from skiplock.context import cancel_requested, current_job, set_progress
-from skiplock.durable import LeaseLostError, complete, complete_async, step, step_async
+from skiplock.durable import (
+    LeaseLostError,
+    complete,
+    complete_async,
+    sleep,
+    sleep_async,
+    step,
+    step_async,
+    wait_for,
+    wait_for_async,
+)
 from skiplock.errors import (
     ConfigurationError,
     EnqueueError,
@@ -20,6 +30,7 @@ from skiplock.errors import (
     SkiplockError,
     Snooze,
     UnknownTaskError,
+    WaitTimeout,
 )
 from skiplock.results import JobRef
 from skiplock.retry import RetryPolicy
@@ -61,6 +72,7 @@ __all__ = [
     "Step",
     "Task",
     "UnknownTaskError",
+    "WaitTimeout",
     "Worker",
     "WorkerOptions",
     "Workflow",
@@ -79,8 +91,12 @@ __all__ = [
     "parent_results",
     "parent_results_async",
     "set_progress",
+    "sleep",
+    "sleep_async",
     "step",
     "step_async",
+    "wait_for",
+    "wait_for_async",
 ]
 
 __version__ = "0.1.0"

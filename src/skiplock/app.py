@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from datetime import timedelta
 from typing import Any, TypeVar, overload
 
 import psycopg
@@ -21,6 +22,7 @@ from skiplock.config import (
     validate_schema,
 )
 from skiplock.cron import MISSED_POLICIES, parse_cron
+from skiplock.durable import check_signal_key, signal_payload_json
 from skiplock.errors import ConfigurationError, UnknownTaskError
 from skiplock.migrate import Migration, check_schema_ready, migrate
 from skiplock.periodic import Periodic
@@ -31,6 +33,8 @@ from skiplock.workflow import Workflow, register_app
 
 R = TypeVar("R")
 
+DEFAULT_SIGNAL_RETENTION = timedelta(days=7)
+
 
 class App:
     """Tasks plus where their jobs live.
@@ -40,6 +44,9 @@ class App:
     throwaway local PostgreSQL instead (the ``embedded`` extra). Nothing connects, and
     nothing is checked, until something needs the database: the CLI configures an App
     after importing it.
+
+    ``signal_retention`` is how long a signal sent before anyone waits for it is kept
+    (``App.signal``).
 
     ``queue_databases`` is the routing table for queues spread over several databases:
     ``{"reports": "postgresql://HOST/reports"}`` puts queue "reports" there, and every
@@ -54,6 +61,7 @@ class App:
         schema: str | None = None,
         embedded: bool = False,
         queue_databases: Mapping[str, str] | None = None,
+        signal_retention: timedelta = DEFAULT_SIGNAL_RETENTION,
     ) -> None:
         import os  # noqa: PLC0415
 
@@ -71,6 +79,12 @@ class App:
         # Which database each URL reaches, learned once (routing.url_identity).
         self._identities: dict[str, routing.Identity] = {}
         self._bound: dict[str, App] = {}
+        if not isinstance(signal_retention, timedelta) or signal_retention <= timedelta(0):
+            raise ConfigurationError(
+                f"signal_retention is a positive timedelta, got {signal_retention!r}"
+            )
+        # How long a signal nobody waits for yet is kept for a wait to come.
+        self.signal_retention = signal_retention
         register_app(self)  # so that parent_results() finds the App of a running step
 
     def configure(self, *, database_url: str | None = None, schema: str | None = None) -> None:
@@ -218,7 +232,7 @@ class App:
         enqueue its own ticks)."""
         if url not in self.databases():
             raise ConfigurationError(f"{routing.describe_url(url)} is not a database of this App")
-        bound = App(url, schema=self.schema)
+        bound = App(url, schema=self.schema, signal_retention=self.signal_retention)
         bound.tasks = self.tasks
         bound.tracing = self.tracing
         bound.periodics = {
@@ -317,6 +331,28 @@ class App:
             )
             send.sent([job_id], duplicate=not inserted)
         return JobRef(job_id, owner, duplicate=not inserted)
+
+    def signal(self, conn: psycopg.Connection[Any], key: str, payload: Any = None) -> int | None:
+        """Send the signal ``key`` with ``payload`` (JSON) in ``conn``'s transaction; it
+        never commits, and a rollback sends nothing. The oldest job waiting for ``key``
+        (``skiplock.wait_for``) resumes with ``payload``, and its id is returned; with none
+        waiting, the signal is kept for the next wait, ``signal_retention`` at most, and
+        None is returned."""
+        key = check_signal_key(key)
+        text = signal_payload_json(key, payload)
+        return client.send_signal(
+            conn, self.schema, key, text, kept_for=self.signal_retention.total_seconds()
+        )
+
+    async def signal_async(
+        self, conn: psycopg.AsyncConnection[Any], key: str, payload: Any = None
+    ) -> int | None:
+        """``signal`` on an async connection."""
+        key = check_signal_key(key)
+        text = signal_payload_json(key, payload)
+        return await client.send_signal_async(
+            conn, self.schema, key, text, kept_for=self.signal_retention.total_seconds()
+        )
 
     def result(self, job_id: int, timeout: float | None = None, *, queue: str | None = None) -> Any:
         """Wait for a job's result (JobFailedError if it ends dead or cancelled). With

@@ -27,16 +27,24 @@ import logging
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from contextvars import ContextVar
-from typing import Any, TypeVar
+from datetime import timedelta
+from typing import Any, NoReturn, TypeVar
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from skiplock.config import done_channel
 from skiplock.context import current_job_or_none
-from skiplock.errors import ConfigurationError, ResultNotStorableError, SkiplockError
+from skiplock.errors import (
+    AttemptSuspended,
+    ConfigurationError,
+    ResultNotStorableError,
+    SkiplockError,
+    WaitTimeout,
+)
 from skiplock.sql import complete as complete_sql
 from skiplock.sql import render
+from skiplock.sql import signals as signal_sql
 from skiplock.sql import steps as statements
 from skiplock.storable import encode_result, problem_in, storable_json_text
 from skiplock.types import ClaimedJob
@@ -55,7 +63,9 @@ class LeaseLostError(SkiplockError):
     attempt must stop."""
 
 
-def _on_loop(loop: asyncio.AbstractEventLoop | None, coro: Coroutine[Any, Any, T]) -> T:
+def _on_loop(
+    loop: asyncio.AbstractEventLoop | None, coro: Coroutine[Any, Any, T], what: str = "step()"
+) -> T:
     """Run ``coro`` on ``loop`` (the worker's, or a test's) from a handler's thread, and
     wait for it. On the loop's own thread that would never return: refused."""
     try:
@@ -65,8 +75,8 @@ def _on_loop(loop: asyncio.AbstractEventLoop | None, coro: Coroutine[Any, Any, T
             return asyncio.run_coroutine_threadsafe(coro, loop).result()
     coro.close()
     raise ConfigurationError(
-        "skiplock.step() called on the event loop: in an async handler, "
-        "use `await skiplock.step_async(...)`"
+        f"skiplock.{what} called on the event loop: in an async handler, "
+        "use its _async form with await"
     )
 
 
@@ -85,6 +95,84 @@ class StepStore:
 
     def record_sync(self, job: ClaimedJob, name: str, result: str | None) -> bool:
         raise NotImplementedError
+
+    # Waits and sleeps end the attempt where the job is held: a store that cannot (a
+    # transactional attempt, a test without a database) refuses them.
+    async def suspend(self, job: ClaimedJob, suspension: Suspension) -> Suspension:
+        return self.suspend_sync(job, suspension)
+
+    def suspend_sync(self, job: ClaimedJob, suspension: Suspension) -> Suspension:
+        raise ConfigurationError(suspension.refusal("this store"))
+
+
+class Suspension:
+    """A wait for ``key`` (None: a sleep) of ``seconds`` (None: no limit), recorded as the
+    step ``step``: the statements that write it, and what they answered (``outcome``:
+    "waiting" or "sleeping" when the job now does, "signal" with ``payload`` when a kept
+    signal was taken at once, "lost" when the attempt no longer held its job)."""
+
+    def __init__(self, key: str | None, step: str, seconds: float | None) -> None:
+        self.key = key
+        self.step = step
+        self.seconds = seconds
+        self.outcome = ""
+        self.payload: str | None = None
+
+    def refusal(self, where: str) -> str:
+        what = "wait_for" if self.key is not None else "sleep"
+        return (
+            f"skiplock.{what}() ends the attempt and resumes the job later, which needs a "
+            f"lease-mode job run by a worker (or by skiplock.testing.drain); {where} it "
+            "cannot: a transactional job would hold its transaction open"
+        )
+
+    def statements(
+        self, schema: str, job: ClaimedJob, worker_id: Any
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """The statements to run in one transaction, in order; the last one's row is
+        the answer (``read``)."""
+        params = {
+            "id": job.id,
+            "attempt": job.attempts,
+            "worker_id": worker_id,
+            "step": self.step,
+            "seconds": self.seconds,
+        }
+        if self.key is None:
+            return [(render(signal_sql.JOB_SLEEP_IF_HELD, schema), params)]
+        lock = {"lock": f"{schema}.signal\t{self.key}"}
+        return [
+            (render(signal_sql.SIGNAL_KEY_LOCK, schema), lock),
+            (render(signal_sql.JOB_WAIT_IF_HELD, schema), {**params, "key": self.key}),
+        ]
+
+    async def written_async(
+        self, conn: psycopg.AsyncConnection[Any], schema: str, job: ClaimedJob, worker_id: Any
+    ) -> Suspension:
+        """Written on ``conn``, in its current transaction; answered."""
+        row = None
+        for statement, params in self.statements(schema, job, worker_id):
+            row = await (await conn.execute(statement, params)).fetchone()
+        return self.read(row)
+
+    def written(
+        self, conn: psycopg.Connection[Any], schema: str, job: ClaimedJob, worker_id: Any
+    ) -> Suspension:
+        row = None
+        for statement, params in self.statements(schema, job, worker_id):
+            row = conn.execute(statement, params).fetchone()
+        return self.read(row)
+
+    def read(self, row: Any) -> Suspension:
+        if self.key is None:
+            self.outcome = "sleeping" if row is not None else "lost"
+        elif row is None or not row[0]:
+            self.outcome = "lost"
+        elif row[2]:
+            self.outcome = "waiting"
+        else:
+            self.outcome, self.payload = "signal", row[1]
+        return self
 
 
 _Answer = asyncio.Future[T] | Future[T]
@@ -132,6 +220,16 @@ class LeasedStore(StepStore):
         future: Future[bool] = Future()
         self._from_thread(self._add_record, (job, name, result, future))
         return future.result()
+
+    async def suspend(self, job: ClaimedJob, suspension: Suspension) -> Suspension:
+        """A wait or a sleep, in a transaction of its own (not batched: a wait may queue
+        for its key's lock behind a sender's open transaction), committed durably."""
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute(self.sql(complete_sql.DURABLE_COMMIT_ON))
+            return await suspension.written_async(conn, self._schema, job, self.worker_id)
+
+    def suspend_sync(self, job: ClaimedJob, suspension: Suspension) -> Suspension:
+        return _on_loop(self._loop, self.suspend(job, suspension), "sleep() or wait_for()")
 
     def _from_thread(self, add: Callable[[Any], None], request: Any) -> None:
         """Hand a sync handler's request to the event loop's next batch (one callback, no
@@ -225,8 +323,12 @@ class LockedStore(StepStore):
         self,
         conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
         schema: str,
+        *,
+        worker_id: Any = None,
     ) -> None:
         self._conn = conn
+        # A test's drain holds its lease-mode jobs as a worker does: they may wait.
+        self._worker_id = worker_id
         # An async connection is used from a sync handler's thread through its loop.
         self._loop = (
             asyncio.get_running_loop() if isinstance(conn, psycopg.AsyncConnection) else None
@@ -269,10 +371,31 @@ class LockedStore(StepStore):
         )
         return cur.fetchone() is not None
 
+    async def suspend(self, job: ClaimedJob, suspension: Suspension) -> Suspension:
+        conn = self._conn
+        if not isinstance(conn, psycopg.AsyncConnection):
+            return self.suspend_sync(job, suspension)
+        if self._worker_id is None:
+            raise ConfigurationError(suspension.refusal("a transactional attempt"))
+        return await suspension.written_async(conn, self._schema, job, self._worker_id)
+
+    def suspend_sync(self, job: ClaimedJob, suspension: Suspension) -> Suspension:
+        conn = self._conn
+        if isinstance(conn, psycopg.AsyncConnection):
+            return _on_loop(self._loop, self.suspend(job, suspension), "sleep() or wait_for()")
+        if self._worker_id is None:
+            raise ConfigurationError(suspension.refusal("a transactional attempt"))
+        return suspension.written(conn, self._schema, job, self._worker_id)
+
 
 class MemoryStore(StepStore):
     """Steps kept in memory, for ``skiplock.testing.perform_job`` without a database:
     each runs once per call."""
+
+    def suspend_sync(self, job: ClaimedJob, suspension: Suspension) -> Suspension:
+        raise ConfigurationError(
+            suspension.refusal("skiplock.testing.perform_job without a connection")
+        )
 
     def __init__(self) -> None:
         self._recorded: dict[str, str | None] = {}
@@ -302,6 +425,18 @@ class _Attempt:
         self.recorded: dict[str, str | None] | None = None
         self.used: set[str] = set()
         self.completed = False
+        # Waits and sleeps done, by their name's base: the next is numbered after them.
+        self.counts: dict[str, int] = {}
+
+    def numbered(self, base: str) -> str:
+        """The name of the next wait or sleep of ``base`` ("wait:KEY", "sleep"): the same
+        on every attempt of a handler that waits in the same order."""
+        done = self.counts.get(base, 0)
+        return base if done == 0 else f"{base}#{done + 1}"
+
+    def counted(self, base: str, name: str, text: str | None) -> Any:
+        self.counts[base] = self.counts.get(base, 0) + 1
+        return self.done(name, text)
 
     def claim_name(self, name: object) -> str:
         if not isinstance(name, str) or not name or len(name) > MAX_STEP_NAME:
@@ -361,13 +496,14 @@ def _encode(name: str, value: object) -> str | None:
             f"step {name!r}: its result must be JSON (dict, list, str, int, float, bool or "
             f"None): {exc}"
         ) from None
+    # Storable first: a lone surrogate has no UTF-8 bytes to count.
+    if not storable_json_text(text):
+        raise ResultNotStorableError(f"step {name!r}: result not storable: {problem_in(value)}")
     if len(text.encode()) > MAX_STEP_RESULT_BYTES:
         raise ResultNotStorableError(
             f"step {name!r}: its result is {len(text.encode()):,} bytes of JSON; "
             f"keep it under {MAX_STEP_RESULT_BYTES // 1024} KiB"
         )
-    if not storable_json_text(text):
-        raise ResultNotStorableError(f"step {name!r}: result not storable: {problem_in(value)}")
     return text
 
 
@@ -478,3 +614,150 @@ async def complete_async(conn: psycopg.AsyncConnection[Any], /, result: object =
             store.sql(complete_sql.JOBS_DONE_NOTIFY), {"channel": store.done_channel}
         )
     _completed(attempt, row)
+
+
+# -- durable waits and sleeps -----------------------------------------------------------
+
+MAX_SIGNAL_KEY = 180
+# The furthest a wait or a sleep may reach (as Snooze's limit: a mistake, past that).
+MAX_SUSPEND_SECONDS = 10 * 366 * 86400.0
+
+
+def check_signal_key(key: object) -> str:
+    """``key`` if a signal can carry it, else a ConfigurationError saying why."""
+    if not isinstance(key, str) or not key or len(key) > MAX_SIGNAL_KEY:
+        raise ConfigurationError(
+            f"a signal key is a non-empty string of at most {MAX_SIGNAL_KEY} characters, "
+            f"got {key!r}"
+        )
+    if not storable_json_text(json.dumps(key)):
+        raise ConfigurationError(f"signal key {key!r} cannot be stored: {problem_in(key)}")
+    return key
+
+
+def _seconds(what: str, value: object, *, optional: bool) -> float | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise ConfigurationError(f"{what} is a number of seconds or a timedelta, got {value!r}")
+    if not 0 <= seconds <= MAX_SUSPEND_SECONDS:  # nan fails both
+        raise ConfigurationError(f"{what} must be between 0 and ten years, got {seconds!r} seconds")
+    return seconds
+
+
+def _waited(attempt: _Attempt, base: str, name: str, key: str, text: str | None) -> Any:
+    """The recorded answer of the wait ``name``: the signal's payload, or WaitTimeout."""
+    answer = _decoded(text)
+    attempt.counted(base, name, text)
+    if isinstance(answer, dict) and "signal" in answer:
+        return answer["signal"]
+    if isinstance(answer, dict) and answer.get("timeout") is True:
+        raise WaitTimeout(f"job {attempt.job.id}: no signal {key!r} came before its wait's timeout")
+    raise ConfigurationError(
+        f"step {name!r} of job {attempt.job.id} is not a wait's record: name steps so "
+        "that they do not start with 'wait:'"
+    )
+
+
+def _suspended(attempt: _Attempt, suspension: Suspension) -> NoReturn:
+    """Raise what ends the handler once its job waits or sleeps (or lost its lease)."""
+    job = attempt.job
+    if suspension.outcome == "lost":
+        raise LeaseLostError(
+            f"job {job.id}: attempt {job.attempts} no longer holds the job (its lease ran "
+            "out); it neither waits nor sleeps"
+        )
+    completing = _completing.get()
+    if completing is not None:
+        completing()  # the row is no longer the worker's: nothing more to write or extend
+    raise AttemptSuspended(suspension.outcome)
+
+
+def _took(attempt: _Attempt, base: str, suspension: Suspension) -> Any:
+    """A kept signal answered the wait at once: recorded, the attempt goes on."""
+    text = json.dumps({"signal": _decoded(suspension.payload)})
+    assert attempt.recorded is not None
+    attempt.recorded[suspension.step] = text
+    return _waited(attempt, base, suspension.step, suspension.key or "", text)
+
+
+def wait_for(key: str, timeout: float | timedelta | None = None) -> Any:
+    """Wait for the signal ``key`` and return its payload. A signal sent already (and kept)
+    answers at once; otherwise the attempt ends here, freeing its slot, and the job
+    resumes when the signal comes (``App.signal``, or ``signal()`` in SQL): the handler
+    runs again from the top, its steps answered from their records, and this call
+    returns the payload. After ``timeout`` with no signal it raises WaitTimeout."""
+    attempt = _current("wait_for")
+    key = check_signal_key(key)
+    seconds = _seconds("wait_for's timeout", timeout, optional=True)
+    base = f"wait:{key}"
+    name = attempt.claim_name(attempt.numbered(base))
+    if attempt.recorded is None:
+        attempt.recorded = attempt.store.load_sync(attempt.job)
+    if name in attempt.recorded:
+        return _waited(attempt, base, name, key, attempt.recorded[name])
+    suspension = attempt.store.suspend_sync(attempt.job, Suspension(key, name, seconds))
+    if suspension.outcome == "signal":
+        return _took(attempt, base, suspension)
+    _suspended(attempt, suspension)
+
+
+async def wait_for_async(key: str, timeout: float | timedelta | None = None) -> Any:
+    """``wait_for`` for async handlers."""
+    attempt = _current("wait_for_async")
+    key = check_signal_key(key)
+    seconds = _seconds("wait_for_async's timeout", timeout, optional=True)
+    base = f"wait:{key}"
+    name = attempt.claim_name(attempt.numbered(base))
+    if attempt.recorded is None:
+        attempt.recorded = await attempt.store.load(attempt.job)
+    if name in attempt.recorded:
+        return _waited(attempt, base, name, key, attempt.recorded[name])
+    suspension = await attempt.store.suspend(attempt.job, Suspension(key, name, seconds))
+    if suspension.outcome == "signal":
+        return _took(attempt, base, suspension)
+    _suspended(attempt, suspension)
+
+
+def sleep(duration: float | timedelta) -> None:
+    """Sleep ``duration`` (seconds or a timedelta) durably: the attempt ends here, freeing
+    its slot and its connection, and the job resumes after ``duration`` (by the
+    database's clock, as late as the promoter's poll): the handler runs again from the
+    top, its steps answered from their records, and this call returns at once."""
+    attempt = _current("sleep")
+    seconds = _seconds("sleep's duration", duration, optional=False)
+    name = attempt.claim_name(attempt.numbered("sleep"))
+    if attempt.recorded is None:
+        attempt.recorded = attempt.store.load_sync(attempt.job)
+    if name in attempt.recorded:
+        attempt.counted("sleep", name, attempt.recorded[name])
+        return
+    _suspended(attempt, attempt.store.suspend_sync(attempt.job, Suspension(None, name, seconds)))
+
+
+async def sleep_async(duration: float | timedelta) -> None:
+    """``sleep`` for async handlers."""
+    attempt = _current("sleep_async")
+    seconds = _seconds("sleep_async's duration", duration, optional=False)
+    name = attempt.claim_name(attempt.numbered("sleep"))
+    if attempt.recorded is None:
+        attempt.recorded = await attempt.store.load(attempt.job)
+    if name in attempt.recorded:
+        attempt.counted("sleep", name, attempt.recorded[name])
+        return
+    suspension = await attempt.store.suspend(attempt.job, Suspension(None, name, seconds))
+    _suspended(attempt, suspension)
+
+
+def signal_payload_json(key: str, payload: object) -> str:
+    """A signal's payload as JSON text, or refused saying why (as a step's result is)."""
+    try:
+        text = _encode(key, payload)
+    except ResultNotStorableError as exc:
+        message = str(exc).replace("step ", "signal ", 1).replace("result", "payload")
+        raise ConfigurationError(message) from None
+    return "null" if text is None else text

@@ -55,6 +55,21 @@ class Snooze(Exception):  # noqa: N818 - raised by handlers; reads as an instruc
         self.after = _aware(after, "Snooze")
 
 
+class WaitTimeout(SkiplockError):  # noqa: N818 - reads as what happened, as TimeoutError
+    """``skiplock.wait_for`` saw no signal before its timeout. The timeout is recorded as
+    the wait's answer: a later attempt of the job gets it again, at once."""
+
+
+class AttemptSuspended(BaseException):
+    """Ends a handler whose job now waits for a signal or sleeps (skiplock.wait_for,
+    skiplock.sleep): its row left the worker already. A BaseException, so that a handler's
+    ``except Exception`` does not keep running an attempt that no longer holds its job."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
 class Retry(Exception):  # noqa: N818 - raised by handlers; reads as an instruction
     """Raise from a handler to fail this attempt and run again after ``after``.
 

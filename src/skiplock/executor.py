@@ -29,12 +29,13 @@ from skiplock.config import done_channel
 from skiplock.context import CancelFlag, set_current_job
 from skiplock.durable import LockedStore, StepStore, set_step_store
 from skiplock.errors import (
+    AttemptSuspended,
     OutcomeNotStorableError,
     Retry,
     Snooze,
     UnknownTaskError,
 )
-from skiplock.outcomes import Completed, Outcome, Snoozed, failed, locked_write
+from skiplock.outcomes import Completed, Outcome, Snoozed, Suspended, failed, locked_write
 from skiplock.retry import RetryPolicy, decide_failure, retry_at_from
 from skiplock.sql import claim, complete, render
 from skiplock.storable import encode_result, storable_message, storable_text
@@ -261,6 +262,8 @@ async def run_leased(
                 result = await _in_thread_timed(job, call, threads, timeout, on_abandoned)
         # Inside the try: a value PostgreSQL cannot store fails this attempt, here.
         return Completed(job.id, job.attempts, encode_result(result))
+    except AttemptSuspended as suspended:  # its handler wrote that it waits or sleeps
+        return Suspended(job.id, job.attempts, suspended.kind)
     except TimeoutError:
         exc: BaseException = JobTimeoutError(f"{job.task} exceeded its timeout")
     except UnknownTaskError as unknown:

@@ -119,6 +119,13 @@ TABLES: dict[str, dict[Use, tuple[str, ...]]] = {
         Use.ENQUEUE: (),
         Use.ADMIN: ("SELECT", "DELETE"),
     },
+    # Signals kept for a wait to come (0029): written by signal(), SECURITY DEFINER; a
+    # worker's wait takes one, maintenance deletes the expired.
+    "signals": {
+        Use.WORKER: ("SELECT", "DELETE"),
+        Use.ENQUEUE: (),
+        Use.ADMIN: ("SELECT", "DELETE"),
+    },
     # Every use checks that the schema is at the version it expects.
     "schema_migrations": {
         Use.WORKER: ("SELECT",),
@@ -166,6 +173,8 @@ FUNCTIONS: dict[str, tuple[str, frozenset[Use]]] = {
         "adder bigint, attempt integer, names text[]",
         frozenset({Use.WORKER, Use.ADMIN}),
     ),
+    # A signal (0029): SECURITY DEFINER, so that a sender needs no privilege on jobs.
+    "signal": ("signal_key text, signal_payload jsonb, kept_for interval", _EVERY_USE),
     # Ended workflows pruned with history (0026): by the leader and `skiplock prune`.
     "workflows_prune": (
         "ended_before timestamp with time zone, most integer",

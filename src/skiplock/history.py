@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from skiplock.sql import history, keys, render, steps
+from skiplock.sql import history, keys, render, signals, steps
 
 log = logging.getLogger("skiplock.history")
 
@@ -34,6 +34,7 @@ class HistoryReport:
     pruned_workflows: int = 0
     pruned_steps: int = 0
     expired_windows: int = 0
+    expired_signals: int = 0
     skipped: list[str] = field(default_factory=list)
 
 
@@ -91,7 +92,7 @@ def maintain(
 ) -> HistoryReport:
     """Create partitions ahead, drop expired ones, prune the DEFAULT partition, the
     workflows that ended before the retention and the durable steps of jobs that did,
-    and delete unique windows that have passed.
+    and delete unique windows that have passed and signals that expired unread.
 
     ``conn`` must be in autocommit mode. ``retention`` None keeps history forever.
     """
@@ -120,13 +121,9 @@ def maintain(
         prune = sql.SQL(history.HISTORY_PRUNE_DEFAULT_BATCH).format(
             history_default=sql.Identifier(schema, "job_history_default")
         )
-        while True:
-            cur = conn.execute(
-                prune, {"retention": retention.total_seconds(), "batch": PRUNE_BATCH, "now": now}
-            )
-            report.pruned_rows += cur.rowcount
-            if cur.rowcount < PRUNE_BATCH:
-                break
+        report.pruned_rows += _in_batches(
+            conn, prune, {"retention": retention.total_seconds(), "batch": PRUNE_BATCH, "now": now}
+        )
         workflows = render(history.WORKFLOWS_PRUNE_BATCH, schema)
         while True:
             row = conn.execute(
@@ -136,20 +133,32 @@ def maintain(
             report.pruned_workflows += pruned
             if pruned < PRUNE_BATCH:
                 break
-        recorded = render(steps.STEPS_PRUNE, schema)
-        while True:
-            cur = conn.execute(recorded, {"before": now - retention, "limit": PRUNE_BATCH})
-            report.pruned_steps += cur.rowcount
-            if cur.rowcount < PRUNE_BATCH:
-                break
+        report.pruned_steps += _in_batches(
+            conn,
+            render(steps.STEPS_PRUNE, schema),
+            {"before": now - retention, "limit": PRUNE_BATCH},
+        )
     conn.execute(render(keys.KEY_RATES_PRUNE, schema))
-    windows = render(history.UNIQUE_WINDOWS_PRUNE_BATCH, schema)
-    while True:
-        cur = conn.execute(windows, {"batch": PRUNE_BATCH})
-        report.expired_windows += cur.rowcount
-        if cur.rowcount < PRUNE_BATCH:
-            break
+    report.expired_windows += _in_batches(
+        conn, render(history.UNIQUE_WINDOWS_PRUNE_BATCH, schema), {"batch": PRUNE_BATCH}
+    )
+    report.expired_signals += _in_batches(
+        conn, render(signals.SIGNALS_PRUNE, schema), {"limit": PRUNE_BATCH}
+    )
     return report
+
+
+def _in_batches(
+    conn: psycopg.Connection[Any], statement: str | sql.Composed, params: dict[str, Any]
+) -> int:
+    """Run a delete of at most PRUNE_BATCH rows until one deletes fewer; rows deleted.
+    Each batch commits alone (autocommit), so no transaction holds many row locks."""
+    deleted = 0
+    while True:
+        cur = conn.execute(statement, params)
+        deleted += cur.rowcount
+        if cur.rowcount < PRUNE_BATCH:
+            return deleted
 
 
 def _ddl(

@@ -1,7 +1,8 @@
 """What one attempt of a job came to: a closed set of types, each written by one statement.
 
 ``Completed``, ``Retried``, ``Dead``, ``Snoozed`` and ``Cancelled`` are the outcomes a
-worker writes (``Outcome`` is their union). Each says which statement writes it
+worker writes; ``Suspended`` (a wait or a sleep) is written by the handler itself
+(``Outcome`` is their union). Each says which statement writes it
 (``statements``, of its ``group``) and what it puts in that statement's batch
 (``entry``); a transactional
 attempt's outcome is written by ``locked_write``. A failed attempt, retried or dead, is
@@ -156,10 +157,35 @@ class Cancelled:
         return entry
 
 
-Outcome = Completed | Retried | Dead | Snoozed | Cancelled
+@dataclass(frozen=True, slots=True)
+class Suspended:
+    """The job waits for a signal (``kind`` "waiting") or sleeps ("sleeping"): the handler
+    wrote that itself, fenced (skiplock.wait_for, skiplock.sleep), and the worker writes
+    nothing more for the attempt."""
+
+    job_id: int
+    attempt: int
+    kind: str = "waiting"
+    progress_json: str | None = None
+
+    group: ClassVar[str] = "suspended"
+    result_json: ClassVar[None] = None
+    error: ClassVar[None] = None
+    dead: ClassVar[bool] = False
+    delay: ClassVar[float] = 0.0
+    cancelled: ClassVar[bool] = False
+
+    def entry(self) -> dict[str, Any]:
+        return {"attempt": self.attempt}
+
+
+# What a worker writes, and every outcome.
+Written = Completed | Retried | Dead | Snoozed | Cancelled
+Outcome = Written | Suspended
 Failed = Retried | Dead
-# Every outcome type, for code that must handle each.
-OUTCOME_TYPES: tuple[type[Outcome], ...] = (Completed, Retried, Dead, Snoozed, Cancelled)
+# Every outcome type a worker writes, for code that must handle each (a Suspended
+# outcome was written by its handler).
+OUTCOME_TYPES: tuple[type[Written], ...] = (Completed, Retried, Dead, Snoozed, Cancelled)
 
 
 def failed(job_id: int, attempt: int, error: dict[str, Any], *, dead: bool, delay: float) -> Failed:

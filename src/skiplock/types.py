@@ -67,6 +67,9 @@ class Job:
     result: Any = None
     progress: Any = None
     cancel_requested_at: datetime | None = None
+    # A job waiting for a signal (skiplock.wait_for): its key, and when its wait times out.
+    wait_key: str | None = None
+    wait_until: datetime | None = None
 
     @property
     def last_error(self) -> str | None:

@@ -358,7 +358,7 @@ def test_prune_creates_a_missing_partition(ops: Ops, run_cli: Cli) -> None:
     assert result.out.strip() == (
         f"history partitions created: {tomorrow}; dropped: none; "
         "rows pruned from the default partition: 0; ended workflows pruned: 0; "
-        "steps of ended jobs pruned: 0"
+        "steps of ended jobs pruned: 0; expired signals deleted: 0"
     )
     assert tomorrow in partitions(ops)
 
@@ -372,7 +372,7 @@ def test_prune_with_retention_days_prunes_default(ops: Ops, run_cli: Cli) -> Non
     assert result.code == 0
     assert result.out.strip().endswith(
         "rows pruned from the default partition: 3; ended workflows pruned: 0; "
-        "steps of ended jobs pruned: 0"
+        "steps of ended jobs pruned: 0; expired signals deleted: 0"
     )
     assert in_default(ops) == 1
 

@@ -209,7 +209,15 @@ def test_status_json_shape(ops: Ops, run_cli: Cli) -> None:
     assert result.code == 0
     assert result.err == ""
     document = json.loads(result.out)
-    assert set(document) == {"queues", "workers", "alerts", "notes"}
+    assert set(document) == {
+        "queues",
+        "workers",
+        "alerts",
+        "notes",
+        "waiting_for_signals",
+        "signals_kept",
+    }
+    assert (document["waiting_for_signals"], document["signals_kept"]) == (0, 0)
     assert document["alerts"] == []
     assert [q["queue"] for q in document["queues"]] == ["audit", "mail", "sms"]
     assert all(set(q) == QUEUE_KEYS for q in document["queues"])

@@ -160,7 +160,12 @@ def test_a_step_that_raised_may_be_tried_again_in_the_same_attempt(
 
 @pytest.mark.parametrize(
     ("value", "reason"),
-    [({1, 2}, "must be JSON"), (float("nan"), "must be JSON"), ("a\x00b", "not storable")],
+    [
+        ({1, 2}, "must be JSON"),
+        (float("nan"), "must be JSON"),
+        ("a\x00b", "not storable"),
+        ("\ud800", "not storable"),
+    ],
 )
 def test_a_result_json_cannot_hold_fails_the_attempt_and_is_not_recorded(
     sem: Sem, workers: StartWorkers, value: Any, reason: str

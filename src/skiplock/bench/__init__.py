@@ -47,6 +47,8 @@ SCENARIOS = {
     "dashboard": "dashboard",
     "workflow": "workflow",
     "steps": "steps",
+    "signals": "signals",
+    "steps-chaos": "steps_chaos",
     "hosts": "hosts",
     "failover": "failover",
 }

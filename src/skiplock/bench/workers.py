@@ -89,12 +89,17 @@ def worker_processes(
                 time.sleep(0.05)
         yield children
     finally:
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        for child in children:
-            try:
-                child.wait(30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+        stop_processes(children)
+
+
+def stop_processes(children: Sequence[subprocess.Popen[bytes]]) -> None:
+    """Stop worker processes as a deploy would (SIGTERM, then SIGKILL after 30 s)."""
+    for child in children:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    for child in children:
+        try:
+            child.wait(30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()

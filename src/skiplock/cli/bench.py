@@ -36,6 +36,8 @@ SCENARIOS = (
     "dashboard",
     "workflow",
     "steps",
+    "signals",
+    "steps-chaos",
     "hosts",
     "failover",
 )

@@ -83,11 +83,21 @@ def _job_dict(job: Job) -> dict[str, Any]:
         "result": job.result,
         "progress": job.progress,
         "cancel_requested_at": _fmt_time(job.cancel_requested_at),
+        "wait_key": job.wait_key,
+        "wait_until": _fmt_time(job.wait_until),
     }
 
 
 def _indented(text: str, prefix: str = "    ") -> list[str]:
     return [prefix + line for line in text.rstrip("\n").splitlines()] or [prefix]
+
+
+def _waits(job: Job) -> str | None:
+    """What a job waiting for a signal waits for, and until when."""
+    if job.wait_key is None:
+        return None
+    until = f" until {_fmt_time(job.wait_until)}" if job.wait_until else ", no time limit"
+    return f"waits for signal {job.wait_key!r}{until}"
 
 
 def job_view(job: Job) -> list[str]:
@@ -110,6 +120,7 @@ def job_view(job: Job) -> list[str]:
             "cancel asked",
             _fmt_time(job.cancel_requested_at) if job.cancel_requested_at else None,
         ),
+        ("waits", _waits(job)),
     ]
     lines = [f"job {job.id}"]
     lines += [f"  {name + ':':<14}{value}" for name, value in fields if value is not None]
@@ -205,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
                     f"{job.id:>8}  {job.state!s:<10} {job.queue:<12} "
                     f"{job.attempts:>3}/{job.max_attempts:<4}  {job.task}"
                     + (f"  [{job.last_error}]" if job.last_error else "")
+                    + (f"  (signal {job.wait_key!r})" if job.wait_key else "")
                 )
             return 0
         if args.jobs_command == "show":

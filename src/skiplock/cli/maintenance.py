@@ -85,7 +85,8 @@ def run_prune(args: argparse.Namespace) -> int:
         f"dropped: {', '.join(report.dropped) or 'none'}; "
         f"rows pruned from the default partition: {report.pruned_rows}; "
         f"ended workflows pruned: {report.pruned_workflows}; "
-        f"steps of ended jobs pruned: {report.pruned_steps}"
+        f"steps of ended jobs pruned: {report.pruned_steps}; "
+        f"expired signals deleted: {report.expired_signals}"
         + (f"; skipped (locked or in use): {', '.join(report.skipped)}" if report.skipped else "")
     )
     return 0

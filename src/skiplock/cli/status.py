@@ -18,6 +18,8 @@ from skiplock.admin import Admin
 from skiplock.app import App
 from skiplock.cli.databases import each_database
 from skiplock.command_line import count, seconds
+from skiplock.sql import render
+from skiplock.sql import signals as signal_sql
 
 # The options that set an alert's threshold, named as status_alerts' keywords.
 THRESHOLDS = ("max_dead", "max_available", "max_ready_age", "min_workers")
@@ -110,7 +112,10 @@ def status_notes(queues: list[dict[str, Any]], workers: list[dict[str, Any]]) ->
 
 
 def _print_status(
-    queues: list[dict[str, Any]], workers: list[dict[str, Any]], notes: list[str]
+    queues: list[dict[str, Any]],
+    workers: list[dict[str, Any]],
+    notes: list[str],
+    signals: tuple[int, int] = (0, 0),
 ) -> None:
     print(
         f"{'queue':<16}{'waiting':>8}{'blocked':>8}{'available':>10}{'scheduled':>10}{'running':>8}"
@@ -128,6 +133,8 @@ def _print_status(
         )
     if not queues:
         print("(no jobs and no workers)")
+    if any(signals):
+        print(f"waiting for signals: {signals[0]}; signals kept: {signals[1]}")
     for note in notes:
         print(f"note: {note}")
     print()
@@ -161,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
                 for section in sections:
                     if section.database is not None:
                         print(f"database {section.database}")
-                    _print_status(section.queues, section.workers, section.notes)
+                    _print_status(section.queues, section.workers, section.notes, section.signals)
                     if section.database is not None:
                         print()
                 for alert in alerts:
@@ -179,6 +186,8 @@ class _Section:
     queues: list[dict[str, Any]]
     workers: list[dict[str, Any]]
     notes: list[str]
+    # Jobs waiting for a signal, and signals kept for a wait to come.
+    signals: tuple[int, int] = (0, 0)
 
 
 def _read(app: App, conn: psycopg.Connection[Any], *, several: bool) -> _Section:
@@ -192,7 +201,9 @@ def _read(app: App, conn: psycopg.Connection[Any], *, several: bool) -> _Section
     if where is not None:  # which database each row is from
         for row in [*queues, *workers]:
             row["database"] = where
-    return _Section(where, queues, workers, status_notes(queues, workers))
+    counted = conn.execute(render(signal_sql.SIGNALS_COUNT, app.schema)).fetchone()
+    signals = (int(counted[0]), int(counted[1])) if counted else (0, 0)
+    return _Section(where, queues, workers, status_notes(queues, workers), signals)
 
 
 def _alerts(section: _Section, args: argparse.Namespace) -> list[str]:
@@ -208,5 +219,7 @@ def _print_json(sections: list[_Section], alerts: list[str]) -> None:
         "workers": [row for section in sections for row in section.workers],
         "alerts": alerts,
         "notes": [note for section in sections for note in section.notes],
+        "waiting_for_signals": sum(section.signals[0] for section in sections),
+        "signals_kept": sum(section.signals[1] for section in sections),
     }
     print(json.dumps(every, default=str), flush=True)

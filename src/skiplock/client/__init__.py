@@ -22,6 +22,7 @@ from skiplock.client.database import (
     retry_job,
     retry_jobs,
     select_job_ids,
+    send_signal,
     set_queue_limits,
     set_queue_paused,
 )
@@ -42,6 +43,7 @@ from skiplock.client.database_async import (
     retry_job_async,
     retry_jobs_async,
     select_job_ids_async,
+    send_signal_async,
     set_queue_limits_async,
     set_queue_paused_async,
 )
@@ -87,6 +89,8 @@ __all__ = [
     "retry_jobs_async",
     "select_job_ids",
     "select_job_ids_async",
+    "send_signal",
+    "send_signal_async",
     "set_queue_limits",
     "set_queue_limits_async",
     "set_queue_paused",

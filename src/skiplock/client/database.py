@@ -22,7 +22,7 @@ from psycopg.rows import dict_row
 from skiplock.client import params
 from skiplock.config import control_channel, done_channel, notify_channel
 from skiplock.errors import JobNotFoundError
-from skiplock.sql import admin, complete, enqueue, render, replica
+from skiplock.sql import admin, complete, enqueue, render, replica, signals
 from skiplock.tasks import JobSpec
 from skiplock.types import Job
 
@@ -175,6 +175,20 @@ def insert_jobs(
 
 
 # -- admin: jobs -------------------------------------------------------------------------
+
+
+@_needs_schema
+def send_signal(
+    conn: Conn, schema: str, key: str, payload_json: str, *, kept_for: float
+) -> int | None:
+    """Send the signal ``key`` in ``conn``'s transaction (never commits): the id of the
+    job it resumes, or None when it is kept for a wait to come."""
+    cur = conn.execute(
+        render(signals.SIGNAL_SEND, schema),
+        {"key": key, "payload": payload_json, "kept_for": kept_for},
+    )
+    row = cur.fetchone()
+    return None if row is None or row[0] is None else int(row[0])
 
 
 def get_job(conn: Conn, schema: str, job_id: int) -> Job:

@@ -20,7 +20,7 @@ from psycopg.rows import dict_row
 from skiplock.client import params
 from skiplock.config import control_channel, done_channel, notify_channel
 from skiplock.errors import JobNotFoundError
-from skiplock.sql import admin, complete, enqueue, render, replica
+from skiplock.sql import admin, complete, enqueue, render, replica, signals
 from skiplock.tasks import JobSpec
 from skiplock.types import Job
 
@@ -175,6 +175,20 @@ async def insert_jobs_async(
 
 
 # -- admin: jobs -------------------------------------------------------------------------
+
+
+@_needs_schema_async
+async def send_signal_async(
+    conn: AsyncConn, schema: str, key: str, payload_json: str, *, kept_for: float
+) -> int | None:
+    """Send the signal ``key`` in ``conn``'s transaction (never commits): the id of the
+    job it resumes, or None when it is kept for a wait to come."""
+    cur = await conn.execute(
+        render(signals.SIGNAL_SEND, schema),
+        {"key": key, "payload": payload_json, "kept_for": kept_for},
+    )
+    row = await cur.fetchone()
+    return None if row is None or row[0] is None else int(row[0])
 
 
 async def get_job_async(conn: AsyncConn, schema: str, job_id: int) -> Job:

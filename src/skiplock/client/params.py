@@ -259,6 +259,8 @@ def job_from_row(row: dict[str, Any]) -> Job:
         result=row["result"],
         progress=row["progress"],
         cancel_requested_at=row["cancel_requested_at"],
+        wait_key=row.get("wait_key"),
+        wait_until=row.get("wait_until"),
     )
 
 

@@ -27,6 +27,7 @@ def render(template: str, schema: str) -> str:
         workflows=sql.Identifier(schema, "workflows"),
         workflow_steps=sql.Identifier(schema, "workflow_steps"),
         job_steps=sql.Identifier(schema, "job_steps"),
+        signals=sql.Identifier(schema, "signals"),
         schema=sql.Identifier(schema),
     )
     return composed.as_string(None)

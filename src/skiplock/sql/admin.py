@@ -6,11 +6,12 @@ JOB_GET = """
 SELECT id, queue, task, args, state, priority, run_at, retry_at, attempts, max_attempts,
        errors, worker_id, lease_expires_at, created_at, attempted_at,
        NULL::timestamptz AS finished_at, NULL::jsonb AS result, progress,
-       cancel_requested_at
+       cancel_requested_at, wait_key, wait_until
 FROM {jobs} WHERE id = %(id)s
 UNION ALL
 SELECT id, queue, task, args, state, priority, NULL, NULL, attempts, max_attempts,
-       errors, NULL, NULL, created_at, attempted_at, finished_at, result, progress, NULL
+       errors, NULL, NULL, created_at, attempted_at, finished_at, result, progress, NULL,
+       NULL, NULL
 FROM {history} WHERE id = %(id)s
 LIMIT 1
 """
@@ -29,7 +30,7 @@ JOB_LIST = (
 SELECT id, queue, task, args, state, priority, run_at, retry_at, attempts, max_attempts,
        errors, worker_id, lease_expires_at, created_at, attempted_at,
        NULL::timestamptz AS finished_at, NULL::jsonb AS result, progress,
-       cancel_requested_at
+       cancel_requested_at, wait_key, wait_until
 FROM {jobs}"""
     + _JOB_FILTERS
     + """ORDER BY id

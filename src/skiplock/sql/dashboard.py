@@ -78,12 +78,13 @@ SELECT id, queue, task, args, state, priority, run_at, retry_at, attempts, max_a
        errors, worker_id, lease_expires_at, created_at, attempted_at, started_at,
        NULL::timestamptz AS finished_at, NULL::jsonb AS result, progress,
        cancel_requested_at, unique_key, unique_queued_key, ordering_key, key_limit,
-       key_rate, key_period, worker_ids, meta
+       key_rate, key_period, worker_ids, meta, wait_key, wait_until
 FROM {jobs} WHERE id = %(id)s
 UNION ALL
 SELECT id, queue, task, args, state, priority, NULL, NULL, attempts, max_attempts,
        errors, NULL, NULL, created_at, attempted_at, started_at, finished_at, result,
-       progress, NULL, unique_key, NULL, ordering_key, NULL, NULL, NULL, worker_ids, meta
+       progress, NULL, unique_key, NULL, ordering_key, NULL, NULL, NULL, worker_ids, meta,
+       NULL, NULL
 FROM {history} WHERE id = %(id)s
 LIMIT 1
 """

@@ -260,11 +260,14 @@ WITH due AS (
     + NOTIFY_MOVED
 )
 
-# Seconds until the next waiting job comes due (on the database's clock), so the
-# promoter can sleep exactly until then. NULL when nothing waits.
+# Seconds until the next waiting job comes due, or the next wait for a signal times out
+# (on the database's clock), so the promoter can sleep exactly until then. NULL when
+# nothing waits.
 JOB_NEXT_DUE = """
-SELECT extract(epoch FROM min(coalesce(retry_at, run_at)) - now())::float8
-FROM {jobs} WHERE state IN ('scheduled', 'retryable')
+SELECT extract(epoch FROM least(
+    (SELECT min(coalesce(retry_at, run_at)) FROM {jobs}
+     WHERE state IN ('scheduled', 'retryable')),
+    (SELECT min(wait_until) FROM {jobs} WHERE wait_until IS NOT NULL)) - now())::float8
 """
 
 # Become or stay leader: take the row when it is free or expired, renew it when it is

@@ -131,7 +131,7 @@ def _drain_leased_one(conn: Conn, state: runs.Drain, queue: str) -> bool:
         return False
     job = claimed_from_row(rows[0])
     progress = runs.Progress()
-    outcome = runs.leased_outcome(state.app, job, progress, conn)
+    outcome = runs.leased_outcome(state.app, job, progress, conn, state.worker_id)
     outcome = dataclasses.replace(outcome, progress_json=progress.json)
     try:
         with conn.transaction():

@@ -129,7 +129,7 @@ async def _drain_leased_one_async(conn: AsyncConn, state: runs.Drain, queue: str
         return False
     job = claimed_from_row(rows[0])
     progress = runs.Progress()
-    outcome = await runs.leased_outcome_async(state.app, job, progress, conn)
+    outcome = await runs.leased_outcome_async(state.app, job, progress, conn, state.worker_id)
     outcome = dataclasses.replace(outcome, progress_json=progress.json)
     try:
         async with conn.transaction():

@@ -30,7 +30,7 @@ from skiplock.completer import (
 )
 from skiplock.durable import LockedStore, MemoryStore
 from skiplock.executor import claimed_from_row, failure_outcome, run_leased, utcnow
-from skiplock.outcomes import OUTCOME_TYPES, Outcome, failed
+from skiplock.outcomes import OUTCOME_TYPES, Outcome, Suspended, failed
 from skiplock.sql import claim, complete, render
 from skiplock.storable import encode_result
 from skiplock.tasks import JobSpec, Task, TaskCall
@@ -62,7 +62,8 @@ _OUTCOME_STATEMENTS = {kind.group: kind.statements[0] for kind in OUTCOME_TYPES}
 class JobOutcome:
     """What one run of a job came to.
 
-    ``kind`` is ``completed``, ``retried``, ``dead``, ``snoozed`` or ``cancelled``;
+    ``kind`` is ``completed``, ``retried``, ``dead``, ``snoozed``, ``cancelled``, or
+    ``waiting`` / ``sleeping`` (the handler called wait_for / sleep);
     ``result`` is the handler's return value after its trip through JSON; ``error`` the
     record a worker stores for a failed attempt (``type``, ``message``, ``traceback``);
     ``delay`` the seconds until a retried or snoozed job is due again."""
@@ -160,13 +161,14 @@ def job_outcome(job: ClaimedJob, outcome: Outcome, progress: Any = None) -> JobO
 
 
 async def _run_leased(
-    app: App, job: ClaimedJob, progress: Progress, conn: Conn | AsyncConn | None
+    app: App, job: ClaimedJob, progress: Progress, conn: Conn | AsyncConn | None, worker_id: Any
 ) -> Outcome:
     """The worker's run of a lease-mode job: sync handlers in a thread, async ones on this
     loop, the task's timeout applied, a real ``current_job()``. Its steps are recorded on
-    ``conn``, in the test's transaction (in memory without one)."""
+    ``conn``, in the test's transaction (in memory without one); a drain's job, held by
+    ``worker_id``, may wait and sleep there too."""
     threads = ThreadPoolExecutor(1, thread_name_prefix="skiplock-testing")
-    steps = MemoryStore() if conn is None else LockedStore(conn, app.schema)
+    steps = MemoryStore() if conn is None else LockedStore(conn, app.schema, worker_id=worker_id)
     try:
         return await run_leased(
             app, job, threads, rng=random.Random(), progress=progress, steps=steps
@@ -175,16 +177,18 @@ async def _run_leased(
         threads.shutdown(wait=False)  # a handler abandoned at its timeout keeps its thread
 
 
-def leased_outcome(app: App, job: ClaimedJob, progress: Progress, conn: Conn | None) -> Outcome:
+def leased_outcome(
+    app: App, job: ClaimedJob, progress: Progress, conn: Conn | None, worker_id: Any = None
+) -> Outcome:
     """The worker's run of a lease-mode job, from sync code."""
-    return _run(_run_leased(app, job, progress, conn))
+    return _run(_run_leased(app, job, progress, conn, worker_id))
 
 
 async def leased_outcome_async(
-    app: App, job: ClaimedJob, progress: Progress, conn: AsyncConn | None
+    app: App, job: ClaimedJob, progress: Progress, conn: AsyncConn | None, worker_id: Any = None
 ) -> Outcome:
     """The worker's run of a lease-mode job, on the caller's loop."""
-    return await _run_leased(app, job, progress, conn)
+    return await _run_leased(app, job, progress, conn, worker_id)
 
 
 def call_transactional(task: Task[Any], conn: Conn, args: dict[str, Any]) -> str | None:
@@ -294,6 +298,8 @@ class Drain:
         }
 
     def writes(self, outcome: Outcome) -> list[tuple[str, dict[str, Any]]]:
+        if isinstance(outcome, Suspended):
+            return []  # its handler wrote it (a wait, a sleep)
         return [
             (
                 render(_OUTCOME_STATEMENTS[group], self.app.schema),

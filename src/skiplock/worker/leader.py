@@ -27,7 +27,7 @@ from skiplock import admission, history
 from skiplock.config import notify_channel
 from skiplock.leadership import Leadership
 from skiplock.periodic import tick_due
-from skiplock.sql import maintenance, render
+from skiplock.sql import maintenance, render, signals
 from skiplock.waiting import wait_event
 from skiplock.worker.supervisor import PeriodicService, describe
 from skiplock.worker.timeouts import MAINTENANCE
@@ -398,8 +398,9 @@ class KeyAdmission:
 
 
 class Promotion(PeriodicService):
-    """Make scheduled and retryable jobs available when due, sleeping until the next one
-    comes due (at most ``poll_interval``) or until this worker writes a retry (``wake``)."""
+    """Make scheduled and retryable jobs available when due, and waits for a signal whose
+    time is up, sleeping until the next one comes due (at most ``poll_interval``) or
+    until this worker writes a retry (``wake``)."""
 
     name = "promotion"
     log = log
@@ -410,6 +411,7 @@ class Promotion(PeriodicService):
         self._poll_interval = poll_interval
         self.wake = asyncio.Event()
         self._promote = render(maintenance.JOB_PROMOTE_DUE, schema)
+        self._timed_out = render(signals.JOB_WAITS_TIMED_OUT, schema)
         self._next_due = render(maintenance.JOB_NEXT_DUE, schema)
         self._channel = notify_channel(schema)
         self._sleep_for = poll_interval
@@ -418,13 +420,14 @@ class Promotion(PeriodicService):
         self._sleep_for = self._poll_interval
         self.wake.clear()
         async with self._pool.connection() as conn:
-            while True:
-                cur = await conn.execute(
-                    self._promote, {"limit": self.BATCH, "channel": self._channel}
-                )
-                promoted = sum(int(row[1]) for row in await cur.fetchall())
-                if promoted < self.BATCH:
-                    break
+            for statement in (self._promote, self._timed_out):
+                while True:
+                    cur = await conn.execute(
+                        statement, {"limit": self.BATCH, "channel": self._channel}
+                    )
+                    moved = sum(int(row[1]) for row in await cur.fetchall())
+                    if moved < self.BATCH:
+                        break
             cur = await conn.execute(self._next_due)
             row = await cur.fetchone()
         if row is not None and row[0] is not None:

@@ -25,7 +25,7 @@ from skiplock.completer import Completer
 from skiplock.cursor import ClaimCursor
 from skiplock.durable import StepStore
 from skiplock.events import EventStream
-from skiplock.outcomes import Cancelled, Completed, Outcome
+from skiplock.outcomes import Cancelled, Completed, Outcome, Suspended
 from skiplock.sql import claim, render
 from skiplock.types import ClaimedJob
 from skiplock.worker.limits import QueueLimits
@@ -336,7 +336,7 @@ class LeasedJobs:
                         span.ended("cancelled", None)
                 if not cancel.is_set():
                     span.ended(outcome.kind, outcome.error)
-        if cancel.is_set() and not outcome.cancelled:
+        if cancel.is_set() and not outcome.cancelled and not isinstance(outcome, Suspended):
             # Asked to stop: however the handler ended (returning early, raising), the
             # job ends cancelled, as the requester was told.
             outcome = Cancelled(job.id, job.attempts)
@@ -356,6 +356,8 @@ class LeasedJobs:
         if self.ahead is not None:
             self.ahead.job_ended(seconds)
         self._events.ended(job, outcome, seconds)
+        if isinstance(outcome, Suspended):
+            return  # the handler's own statement ended the attempt: nothing to write
         if entry.held:
             self.completer.add(outcome)
         elif self.running_jobs.get(job.id) is not None:

@@ -1,0 +1,112 @@
+"""The ``steps-chaos`` scenario: durable steps through crashes. ``--jobs`` jobs (at most
+1,000) of three steps, each step's effect a row its handler inserts; worker processes
+(at most 10 slots each, so that the run lasts several seconds) are SIGKILLed, one a
+second, and replaced. The figures: effects that happened more than once (each one a step
+in flight at a kill: run, but not yet recorded), kills, and jobs or steps lost (none)."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import time
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from skiplock.bench.load import copy_jobs, fresh_schema
+from skiplock.bench.measure import Figure, Report, Settings
+from skiplock.bench.tasks import EFFECT_STEPS
+from skiplock.bench.workers import WORKER_ARGS, stop_processes
+from skiplock.demo import worker_command, worker_env
+
+MOST_JOBS = 1_000
+MOST_SLOTS = 10
+KILL_EVERY = 1.0
+
+
+def _spawn(url: str, schema: str, slots: int) -> subprocess.Popen[bytes]:
+    command = worker_command(
+        schema,
+        "skiplock.bench:app",
+        *("--concurrency", str(slots), "--poll-interval", "0.5", "--shutdown-timeout", "1"),
+        *WORKER_ARGS,
+    )
+    return subprocess.Popen(
+        command, env=worker_env(url, schema), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    )
+
+
+def _left(conn: psycopg.Connection[Any], schema: str) -> int:
+    row = conn.execute(
+        sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "jobs"))
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _one_run(settings: Settings, count: int) -> dict[str, float]:
+    s = settings
+    slots = min(s.concurrency, MOST_SLOTS)
+    with fresh_schema(s.url, s.schema), psycopg.connect(s.url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE TABLE {} (job bigint NOT NULL, step text NOT NULL)").format(
+                sql.Identifier(s.schema, "bench_effects")
+            )
+        )
+        copy_jobs(conn, s.schema, "bench.effectful", count)
+        children = [_spawn(s.url, s.schema, slots) for _ in range(s.processes)]
+        kills, started = 0, time.monotonic()
+        last_kill = started
+        try:
+            while _left(conn, s.schema):
+                if time.monotonic() - started > 600:
+                    raise RuntimeError("the steps-chaos jobs did not finish within 600 s")
+                if time.monotonic() - last_kill >= KILL_EVERY:
+                    victim = random.randrange(len(children))
+                    children[victim].send_signal(signal.SIGKILL)
+                    children[victim].wait()
+                    children[victim] = _spawn(s.url, s.schema, slots)
+                    kills, last_kill = kills + 1, time.monotonic()
+                time.sleep(0.05)
+            seconds = time.monotonic() - started
+        finally:
+            stop_processes(children)
+        effects = sql.Identifier(s.schema, "bench_effects")
+        counts = conn.execute(
+            sql.SQL(
+                "SELECT coalesce(sum(n - 1), 0), count(*) FROM "
+                "(SELECT job, step, count(*) AS n FROM {} GROUP BY job, step) AS e"
+            ).format(effects)
+        ).fetchone()
+        completed = conn.execute(
+            sql.SQL("SELECT count(*) FROM {} WHERE state = 'completed'").format(
+                sql.Identifier(s.schema, "job_history")
+            )
+        ).fetchone()
+    assert counts is not None and completed is not None
+    return {
+        "repeated": float(counts[0]),
+        "steps_lost": float(count * len(EFFECT_STEPS) - int(counts[1])),
+        "jobs_lost": float(count - int(completed[0])),
+        "kills": float(kills),
+        # Each kill can repeat at most the steps in flight: one per slot of the victim.
+        "bound": float(kills * slots),
+        "seconds": seconds,
+    }
+
+
+def scenario(name: str, settings: Settings, report: Report) -> None:
+    count = min(settings.jobs, MOST_JOBS)
+    runs = [_one_run(settings, count) for _ in range(settings.runs)]
+    figure = Figure(
+        f"steps-chaos: {count:,} jobs of {len(EFFECT_STEPS)} steps, a SIGKILL a second",
+        "repeated effects",
+        [r["repeated"] for r in runs],
+    )
+    figure.extra["kills"] = [int(r["kills"]) for r in runs]
+    figure.extra["at_most"] = [int(r["bound"]) for r in runs]
+    figure.extra["steps_lost"] = sum(int(r["steps_lost"]) for r in runs)
+    figure.extra["jobs_lost"] = sum(int(r["jobs_lost"]) for r in runs)
+    figure.extra["seconds"] = [round(r["seconds"], 1) for r in runs]
+    report.figure(figure)
