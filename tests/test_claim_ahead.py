@@ -9,10 +9,12 @@ on a real PostgreSQL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import psycopg
 import pytest
@@ -232,6 +234,84 @@ def test_a_job_claimed_ahead_and_given_back_while_it_waited_does_not_start(
     assert give_back(app, setup.waiting_id) == [setup.waiting_id]
 
     setup.release.set()  # the slot frees; the job given back is claimed again and runs once
+    wait_until(lambda: setup.ran == ["waiting"], 30.0, "the job given back to run")
+    wait_until(lambda: not jobs.running_jobs, 30.0, "the worker to finish")
+    assert setup.ran == ["waiting"]
+    assert setup.handle.worker.stats.lost_leases == 1
+
+
+class _HeldAnswers:
+    """The worker's claim pool, with the answer of the claim that brings ``job_id`` held
+    back after its commit (the claim's rows read late, as over a slow link) until
+    ``release`` is set; ``holding`` is set while it is held."""
+
+    def __init__(self, pool: Any, job_id: int) -> None:
+        self._connection = pool.connection
+        self.job_id = job_id
+        self.holding = threading.Event()
+        self.release = threading.Event()
+
+    @contextlib.asynccontextmanager
+    async def connection(self, *args: Any, **kwargs: Any) -> Any:
+        async with self._connection(*args, **kwargs) as conn:
+            yield _HeldConnection(conn, self)
+
+
+class _HeldConnection:
+    def __init__(self, conn: Any, held: _HeldAnswers) -> None:
+        self._conn, self._held = conn, held
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    async def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        cur = await self._conn.execute(query, params, **kwargs)
+        if "SKIP LOCKED" not in str(query):
+            return cur
+        rows = await cur.fetchall()  # committed: the claim's transaction has ended
+        if any(row[0] == self._held.job_id for row in rows):
+            self._held.holding.set()
+            while not self._held.release.is_set():
+                await asyncio.sleep(0.01)
+        return _Answered(rows)
+
+
+class _Answered:
+    def __init__(self, rows: list[Any]) -> None:
+        self._rows = rows
+
+    async def fetchall(self) -> list[Any]:
+        return self._rows
+
+
+def test_a_job_given_back_and_claimed_again_before_its_wait_ends_starts_once(
+    app: skiplock.App, start_worker: StartWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job claimed ahead is given back, and this worker claims it again (the same
+    attempt number) while the stale entry asks whether its claim still holds: the row
+    answers yes, but the new claim's answer is not read yet. The stale entry must wait
+    for claims in flight before it starts, or the job runs twice (seen once in CI:
+    ['waiting', 'waiting'])."""
+    setup = one_waiting(app, start_worker, monkeypatch)
+    jobs = setup.jobs
+    jobs.confirm_after = 0.0
+    parts = setup.handle.worker.parts
+    assert parts is not None and jobs.starts is not None
+    held = _HeldAnswers(parts.pools.claims, setup.waiting_id)
+    monkeypatch.setattr(parts.pools.claims, "connection", held.connection)
+    asked = jobs.starts.still_claimed
+
+    async def still_claimed(job_id: int, attempt: int) -> bool:
+        while not held.holding.is_set():  # the new claim has committed, unread
+            await asyncio.sleep(0.01)
+        answer = await asked(job_id, attempt)
+        threading.Timer(0.3, held.release.set).start()
+        return answer
+
+    monkeypatch.setattr(jobs.starts, "still_claimed", still_claimed)
+    assert give_back(app, setup.waiting_id) == [setup.waiting_id]
+
+    setup.release.set()
     wait_until(lambda: setup.ran == ["waiting"], 30.0, "the job given back to run")
     wait_until(lambda: not jobs.running_jobs, 30.0, "the worker to finish")
     assert setup.ran == ["waiting"]

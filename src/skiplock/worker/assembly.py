@@ -276,6 +276,7 @@ class Parts:
             self.jobs.starts = StartRecorder(
                 self.pools.claims, self.schema, worker.id, self.jobs.running_jobs.attempt_of
             )
+            self.jobs.claims = worker.claims
         # Started once the liveness lock is held: until then a rescuer would take this
         # worker for dead, drop its registration and hand its jobs on, and an elected
         # leader without its lock could be replaced at any moment.

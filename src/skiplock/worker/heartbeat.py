@@ -29,6 +29,7 @@ import psycopg
 from skiplock.completer import fenced_batch
 from skiplock.config import done_channel, notify_channel
 from skiplock.sql import complete, maintenance, render
+from skiplock.waiting import wait_event
 from skiplock.worker.liveness import session_kwargs
 from skiplock.worker.running import RunningJob, RunningJobs
 from skiplock.worker.supervisor import PeriodicService, describe
@@ -51,6 +52,7 @@ class ClaimsInFlight:
     def __init__(self) -> None:
         self._sent: dict[int, float] = {}
         self._count = 0
+        self._returned = asyncio.Event()
 
     def track(self, fetch: Callable[[A], Awaitable[R]]) -> Callable[[A], Awaitable[R]]:
         """``fetch`` (a producer's claim), counted as in flight from its call until it
@@ -64,8 +66,20 @@ class ClaimsInFlight:
                 return await fetch(arg)
             finally:
                 del self._sent[key]
+                self._returned.set()
 
         return tracked
+
+    async def returned(self, sent_before: float, timeout: float) -> bool:
+        """True once every claim sent before ``sent_before`` has returned (its jobs are
+        registered); False if one is still in flight after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while any(sent < sent_before for sent in self._sent.values()):
+            self._returned.clear()
+            left = deadline - time.monotonic()
+            if left <= 0 or not await wait_event(self._returned, left):
+                return False
+        return True
 
     def oldest(self) -> float | None:
         """When the oldest claim still in flight was sent; None when none is."""

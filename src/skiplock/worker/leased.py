@@ -28,6 +28,7 @@ from skiplock.events import EventStream
 from skiplock.outcomes import Cancelled, Completed, Outcome, Suspended
 from skiplock.sql import claim, render
 from skiplock.types import ClaimedJob
+from skiplock.worker.heartbeat import ClaimsInFlight
 from skiplock.worker.limits import QueueLimits
 from skiplock.worker.producer import ClaimAhead, Fetch, Reservation, Slots
 from skiplock.worker.running import ClaimTimes, RunningJob, RunningJobs
@@ -106,6 +107,9 @@ class LeasedJobs:
             ahead.stuck = self._stuck
         # With prefetch, what records that jobs claimed ahead have started (decision 015).
         self.starts: StartRecorder | None = None
+        # This worker's claims in flight: one sent before a start's confirmation came back
+        # may have claimed the same job again, unregistered yet (_still_ours).
+        self.claims: ClaimsInFlight | None = None
         self._rng = rng
         # Every job held, from its claim to the end of its task.
         self.running_jobs = RunningJobs()
@@ -509,7 +513,8 @@ class LeasedJobs:
                     job.attempts,
                 )
                 return False
-            if time.monotonic() - asked_at <= self.late_answer:
+            answered_at = time.monotonic()
+            if answered_at - asked_at <= self.late_answer:
                 break
             # The yes is as old as the question: the worker stopped while it was on its
             # way, and the job may have been given back since. Ask again.
@@ -517,6 +522,21 @@ class LeasedJobs:
             self._events.lost(job, job.attempts)
             log.warning(
                 "job %s attempt %s: every confirmation of its claim came late; not starting it",
+                job.id,
+                job.attempts,
+            )
+            return False
+        # The row reads as ours also when this worker claimed the job again meanwhile
+        # (the same attempt number): that claim, committed before the answer, may not be
+        # registered yet. Once the claims sent before the answer have returned, the
+        # registry says which entry holds the job.
+        if self.claims is not None and not await self.claims.returned(
+            answered_at, self.late_answer
+        ):
+            self._events.lost(job, job.attempts)
+            log.warning(
+                "job %s attempt %s: a claim of this worker stayed unanswered while its "
+                "start was confirmed; not starting it",
                 job.id,
                 job.attempts,
             )
