@@ -312,7 +312,18 @@ def test_job_page_shows_everything_about_a_job(
             (job_id,),
         )
         conn.commit()
+        conn.execute(
+            f"INSERT INTO {SCHEMA}.job_steps (job_id, name, attempt, result) VALUES "
+            "(%s, 'charge <card>', 1, '{\"id\": \"ch_7\"}'), (%s, 'wait:payment:<7>', 1, NULL)",
+            (job_id, job_id),
+        )
+        conn.commit()
     waiting = web.get(f"/jobs/{job_id}").text
+    steps = re.search(r'<table id="steps">(.*?)</table>', waiting, re.S)
+    assert steps and "<code>charge &lt;card&gt;</code>" in steps[1], waiting
+    assert "&#34;id&#34;: &#34;ch_7&#34;" in steps[1]
+    assert "step &#39;charge &lt;card&gt;&#39; recorded, attempt 1" in waiting
+    assert "waits for signal &#39;payment:&lt;7&gt;&#39;" in waiting
     assert re.search(r'id="job-waits">signal <code>payment:&lt;7&gt;</code>, until \d{4}-', waiting)
 
     missing = web.get("/jobs/987654")

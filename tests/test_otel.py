@@ -423,3 +423,35 @@ def test_a_cancelled_attempt_ends_its_span_cancelled_not_failed(
         assert attribute(span, "skiplock.outcome") == "cancelled"
         assert attribute(span, "error.type") is None
         assert span.status.status_code is not StatusCode.ERROR
+
+
+def test_each_durable_step_is_a_span_inside_its_attempt_replayed_ones_marked(
+    app: skiplock.App, traces: Traces, start_worker: StartWorker
+) -> None:
+    instrument(app, traces.provider)
+
+    @app.task(name="checkout", max_attempts=2, retry=QUICK_RETRY)
+    def checkout() -> str:
+        charge = skiplock.step("charge", lambda: "ch_1")
+        if skiplock.current_job().attempts == 1:
+            raise RuntimeError("the webhook is down")
+        return str(skiplock.step("webhook", lambda: charge))
+
+    with psycopg.connect(app.database_url) as conn:
+        checkout.enqueue(conn)
+        conn.commit()
+    worker = start_worker(app, **FAST)
+    wait_until(lambda: len(traces.spans("process default")) == 2, what="both attempts")
+    worker.stop()
+
+    first, second = sorted(traces.spans("process default"), key=lambda s: s.start_time or 0)
+    charges = sorted(traces.spans("step charge"), key=lambda s: s.start_time or 0)
+    assert [attribute(s, "skiplock.step.replayed") for s in charges] == [False, True]
+    assert [s.parent.span_id for s in charges if s.parent] == [
+        first.context.span_id,  # type: ignore[union-attr]
+        second.context.span_id,  # type: ignore[union-attr]
+    ]
+    webhook = traces.one("step webhook")
+    assert attribute(webhook, "skiplock.step.name") == "webhook"
+    assert webhook.parent is not None and second.context is not None
+    assert webhook.parent.span_id == second.context.span_id

@@ -26,6 +26,7 @@ import json
 import logging
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar
 from datetime import timedelta
 from typing import Any, NoReturn, TypeVar
@@ -47,6 +48,7 @@ from skiplock.sql import render
 from skiplock.sql import signals as signal_sql
 from skiplock.sql import steps as statements
 from skiplock.storable import encode_result, problem_in, storable_json_text
+from skiplock.tracing import Tracing
 from skiplock.types import ClaimedJob
 
 T = TypeVar("T")
@@ -463,13 +465,27 @@ class _Attempt:
 _store: ContextVar[StepStore | None] = ContextVar("skiplock_step_store", default=None)
 _attempt: ContextVar[_Attempt | None] = ContextVar("skiplock_steps", default=None)
 _completing: ContextVar[Callable[[], None] | None] = ContextVar("skiplock_completing", default=None)
+_tracing: ContextVar[Tracing | None] = ContextVar("skiplock_step_tracing", default=None)
 
 
-def set_step_store(store: StepStore | None, completing: Callable[[], None] | None = None) -> None:
-    """Where the steps of the job this context runs are kept (None outside a job), and
-    whom to tell when its handler completes it in its own transaction (lease mode)."""
+def set_step_store(
+    store: StepStore | None,
+    completing: Callable[[], None] | None = None,
+    tracing: Tracing | None = None,
+) -> None:
+    """Where the steps of the job this context runs are kept (None outside a job), whom
+    to tell when its handler ends the attempt itself (complete, a wait, a sleep: lease
+    mode), and the tracer that gives each step a span."""
     _store.set(store)
     _completing.set(completing)
+    _tracing.set(tracing)
+
+
+def _span(attempt: _Attempt, name: str, *, replayed: bool) -> AbstractContextManager[object]:
+    tracing = _tracing.get()
+    if tracing is None:
+        return nullcontext()
+    return tracing.step(attempt.job, name, replayed=replayed)
 
 
 def _current(what: str) -> _Attempt:
@@ -528,10 +544,12 @@ def step(name: str, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Any:
     if attempt.recorded is None:
         attempt.recorded = attempt.store.load_sync(attempt.job)
     if name in attempt.recorded:
-        return attempt.done(name, attempt.recorded[name])
-    text = _encode(name, fn(*args, **kwargs))
-    if not attempt.store.record_sync(attempt.job, name, text):
-        raise _refused(name, attempt)
+        with _span(attempt, name, replayed=True):
+            return attempt.done(name, attempt.recorded[name])
+    with _span(attempt, name, replayed=False):
+        text = _encode(name, fn(*args, **kwargs))
+        if not attempt.store.record_sync(attempt.job, name, text):
+            raise _refused(name, attempt)
     attempt.recorded[name] = text
     return attempt.done(name, text)
 
@@ -543,13 +561,15 @@ async def step_async(name: str, fn: Callable[..., Any], /, *args: Any, **kwargs:
     if attempt.recorded is None:
         attempt.recorded = await attempt.store.load(attempt.job)
     if name in attempt.recorded:
-        return attempt.done(name, attempt.recorded[name])
-    value = fn(*args, **kwargs)
-    if inspect.isawaitable(value):
-        value = await value
-    text = _encode(name, value)
-    if not await attempt.store.record(attempt.job, name, text):
-        raise _refused(name, attempt)
+        with _span(attempt, name, replayed=True):
+            return attempt.done(name, attempt.recorded[name])
+    with _span(attempt, name, replayed=False):
+        value = fn(*args, **kwargs)
+        if inspect.isawaitable(value):
+            value = await value
+        text = _encode(name, value)
+        if not await attempt.store.record(attempt.job, name, text):
+            raise _refused(name, attempt)
     attempt.recorded[name] = text
     return attempt.done(name, text)
 

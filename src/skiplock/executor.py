@@ -241,7 +241,7 @@ async def run_leased(
             raise ArgumentsError(job.args_error)
         # Each asyncio task runs in its own context copy, so this is per job.
         set_current_job(job, cancel, progress)
-        set_step_store(steps, completing)  # for skiplock.step() and skiplock.complete()
+        set_step_store(steps, completing, app.tracing)  # skiplock.step(), complete(), ...
         if task.is_async:
             coro = task.fn(**job.args)
             timeout = task.options.timeout
@@ -605,7 +605,9 @@ async def run_transactional_async(
             jobs = [claimed_from_row(r) for r in await cur.fetchall()]
             on_claimed(len(jobs))
             batch = _Batch(app, jobs, rng=rng, clock=clock, on_finished=on_finished)
-            set_step_store(LockedStore(conn, app.schema))  # steps commit with the batch
+            set_step_store(
+                LockedStore(conn, app.schema), tracing=app.tracing
+            )  # steps commit with the batch
             for job in stop.jobs_to_start(jobs):
                 batch.begin(job)
                 outcome = await _attempt_async(batch, conn, job, stop)
@@ -874,7 +876,9 @@ def run_transactional_sync(
             jobs = [claimed_from_row(r) for r in rows]
             on_claimed(len(jobs))
             batch = _Batch(app, jobs, rng=rng, clock=clock, on_finished=on_finished)
-            set_step_store(LockedStore(conn, app.schema))  # steps commit with the batch
+            set_step_store(
+                LockedStore(conn, app.schema), tracing=app.tracing
+            )  # steps commit with the batch
             limits = _SessionLimits(app, conn)
             for job in stop.jobs_to_start(jobs):
                 batch.begin(job)

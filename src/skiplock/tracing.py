@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from skiplock.types import ClaimedJob
@@ -56,6 +56,11 @@ class Tracing(ABC):
     @abstractmethod
     def process(self, job: ClaimedJob, attempt: int) -> AbstractContextManager[Process]:
         """Around one attempt of ``job`` (its ``meta`` holds what ``send`` stored)."""
+
+    def step(self, job: ClaimedJob, name: str, *, replayed: bool) -> AbstractContextManager[object]:
+        """Around one durable step of the attempt (skiplock.step), inside its process;
+        ``replayed``: answered from its record, not run. Nothing unless overridden."""
+        return nullcontext()
 
 
 def error_class(error: Mapping[str, Any]) -> str:

@@ -70,8 +70,8 @@ async def waiter() -> float:
     return time.time()
 
 
-# The steps-chaos scenario's effects: one row per step call, written on a connection of
-# each worker process's own (made at its first effect).
+# The steps-chaos scenario's effects: one row per step call, with the worker process that
+# made it, written on a connection of each worker process's own (made at its first effect).
 EFFECT_STEPS = ("charge", "receipt", "webhook")
 EFFECT_SECONDS = 0.05
 _effects: list[psycopg.AsyncConnection[Any]] = []
@@ -85,10 +85,10 @@ async def _effect(job_id: int, step: str) -> str:
                 await psycopg.AsyncConnection.connect(app.database_url, autocommit=True)
             )
     await _effects[0].execute(
-        sql.SQL("INSERT INTO {} (job, step) VALUES (%s, %s)").format(
+        sql.SQL("INSERT INTO {} (job, step, pid) VALUES (%s, %s, %s)").format(
             sql.Identifier(app.schema, "bench_effects")
         ),
-        (job_id, step),
+        (job_id, step, os.getpid()),
     )
     await asyncio.sleep(EFFECT_SECONDS)  # long enough for kills to land between steps
     return step

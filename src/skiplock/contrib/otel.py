@@ -100,6 +100,19 @@ class OpenTelemetryTracing(Tracing):
             yield _Send(span, json.dumps({META_KEY: carrier}) if carrier else None)
 
     @contextmanager
+    def step(self, job: ClaimedJob, name: str, *, replayed: bool) -> Iterator[object]:
+        with self._tracer.start_as_current_span(
+            f"step {name}",
+            kind=SpanKind.INTERNAL,
+            attributes={
+                "messaging.message.id": str(job.id),
+                "skiplock.step.name": name,
+                "skiplock.step.replayed": replayed,
+            },
+        ) as span:
+            yield span
+
+    @contextmanager
     def process(self, job: ClaimedJob, attempt: int) -> Iterator[Process]:
         stored, workflow = stored_context(job.meta)
         links: list[Link] = []

@@ -195,9 +195,22 @@ def matching_live_ids(conn: Conn, schema: str, where: JobFilter) -> list[int]:
     return [int(row[0]) for row in rows]
 
 
+# Durable steps shown on a job's page; a job with more says how many it has.
+MOST_STEPS_SHOWN = 200
+
+
 def job_detail(conn: Conn, schema: str, job_id: int) -> dict[str, Any] | None:
+    """The job's row, with its durable steps (``steps``, the first MOST_STEPS_SHOWN in
+    the order recorded) and how many it has (``step_count``)."""
     with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(render(dashboard_sql.JOB_DETAIL, schema), {"id": job_id}).fetchone()
+        job = cur.execute(render(dashboard_sql.JOB_DETAIL, schema), {"id": job_id}).fetchone()
+        if job is None:
+            return None
+        params = {"id": job_id, "limit": MOST_STEPS_SHOWN}
+        steps = cur.execute(render(dashboard_sql.JOB_STEPS, schema), params).fetchall()
+    job["step_count"] = int(steps[0]["count"]) if steps else 0
+    job["steps"] = steps
+    return job
 
 
 def queue_counts(conn: Conn, schema: str) -> list[dict[str, Any]]:
@@ -424,7 +437,8 @@ def traceback_lines(text: str | None) -> list[tuple[str, bool]]:
 
 
 def timeline(job: Mapping[str, Any]) -> list[tuple[datetime, str]]:
-    """Enqueued, each failed attempt, the last start and the end, in time order; pure."""
+    """Enqueued, each failed attempt, the last start, each durable step recorded, a wait
+    for a signal, and the end, in time order; pure."""
     events: list[tuple[datetime, str]] = [(job["created_at"], "enqueued")]
     if job.get("run_at") and job["run_at"] > job["created_at"]:
         events.append((job["run_at"], "due"))
@@ -442,6 +456,12 @@ def timeline(job: Mapping[str, Any]) -> list[tuple[datetime, str]]:
         events.append((job["retry_at"], "retry due"))
     if job.get("cancel_requested_at"):
         events.append((job["cancel_requested_at"], "cancel requested"))
+    for step in job.get("steps") or ():
+        events.append(
+            (step["done_at"], f"step {step['name']!r} recorded, attempt {step['attempt']}")
+        )
+    if job.get("wait_key"):
+        events.append((job["run_at"], f"waits for signal {job['wait_key']!r}"))
     if job.get("finished_at"):
         events.append((job["finished_at"], str(job["state"])))
     events.sort(key=lambda event: event[0])

@@ -89,6 +89,15 @@ FROM {history} WHERE id = %(id)s
 LIMIT 1
 """
 
+# A job's durable steps in the order recorded, the first %(limit)s, each row with the
+# job's count of steps.
+JOB_STEPS = """
+SELECT name, attempt, result, done_at, count(*) OVER () AS count
+FROM {job_steps} WHERE job_id = %(id)s
+ORDER BY done_at, name
+LIMIT %(limit)s
+"""
+
 # Jobs finished per minute over the last hour, by outcome. Reads only the last hour's
 # partition(s) through the finished_at index. Failures are the errors recorded in the
 # hour, wherever their job is now.
