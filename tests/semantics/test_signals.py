@@ -424,3 +424,32 @@ def test_status_counts_the_waits_and_the_signals_kept(sem: Sem, run_cli: RunCli)
 
     assert result.code == 0
     assert "waiting for signals: 0; signals kept: 1" in result.out, result.out
+
+
+def test_a_workflow_step_that_waits_releases_its_children_once_it_completes(
+    sem: Sem, workers: StartWorkers
+) -> None:
+    @sem.app.task(name="approve_step")
+    def approve_step(request: int) -> Any:
+        return skiplock.wait_for(f"approved:{request}")
+
+    @sem.app.task(name="publish_step")
+    def publish_step() -> Any:
+        return skiplock.parent_results()
+
+    wf = sem.app.workflow("review")
+    first = wf.add(approve_step.job(request=4), name="approve")
+    wf.add(publish_step.job(), name="publish", after=[first])
+    with sem.connect() as conn:
+        ref = wf.enqueue(conn)
+    workers(1)
+    approve, publish = ref.steps["approve"], ref.steps["publish"]
+    sem.wait_for_state(int(approve), "waiting", timeout=PATIENCE)
+    assert wait_row(sem, int(approve))[:2] == ("waiting", "approved:4")
+    assert sem.state_of(int(publish)) == "waiting"  # still waiting for its parent
+
+    with sem.connect() as conn:
+        sem.app.signal(conn, "approved:4", {"by": "ana"})
+    done = sem.wait_for_state(int(publish), "completed", timeout=PATIENCE)
+
+    assert done.result == {"approve": {"by": "ana"}}
