@@ -447,11 +447,12 @@ def test_each_durable_step_is_a_span_inside_its_attempt_replayed_ones_marked(
     first, second = sorted(traces.spans("process default"), key=lambda s: s.start_time or 0)
     charges = sorted(traces.spans("step charge"), key=lambda s: s.start_time or 0)
     assert [attribute(s, "skiplock.step.replayed") for s in charges] == [False, True]
+    assert first.context is not None and second.context is not None
     assert [s.parent.span_id for s in charges if s.parent] == [
-        first.context.span_id,  # type: ignore[union-attr]
-        second.context.span_id,  # type: ignore[union-attr]
+        first.context.span_id,
+        second.context.span_id,
     ]
     webhook = traces.one("step webhook")
     assert attribute(webhook, "skiplock.step.name") == "webhook"
-    assert webhook.parent is not None and second.context is not None
+    assert webhook.parent is not None
     assert webhook.parent.span_id == second.context.span_id
