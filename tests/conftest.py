@@ -44,9 +44,20 @@ T = TypeVar("T")
 SERIAL_SUITES = frozenset({"cluster", "failover", "pooler", "chaos"})
 
 
+# Long tests that do not depend on the server, run once: with the second server's half
+# of scripts/test, which ends minutes before the first server's (marker second_server).
+ON_THE_SECOND_SERVER = pytest.mark.skip(
+    reason="runs once, against the second server (scripts/test's embedded half: "
+    "unset SKIPLOCK_TEST_DSN to run it)"
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests = Path(__file__).parent
+    first_server = bool(os.environ.get("SKIPLOCK_TEST_DSN"))
     for item in items:
+        if first_server and item.get_closest_marker("second_server") is not None:
+            item.add_marker(ON_THE_SECOND_SERVER)
         if item.path.is_relative_to(tests):
             suite = item.path.relative_to(tests).parts[0]
             if suite in SERIAL_SUITES:

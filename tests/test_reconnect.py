@@ -5,7 +5,6 @@ its connection pools try again at a bounded pace, not with a back-off that keeps
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -30,11 +29,8 @@ def completed(conn: psycopg.Connection[Any], schema: str, job_id: int) -> bool:
     return conn.execute(query, (job_id,)).fetchone() is not None
 
 
-@pytest.mark.skipif(
-    not os.environ.get("SKIPLOCK_TEST_DSN"),
-    reason="the pools' pace is the client's, whatever the server: runs in the PostgreSQL 15 "
-    "pass only (a minute long)",
-)
+# The pools' pace is the client's, whatever the server: a minute long, run once.
+@pytest.mark.second_server
 @pytest.mark.timeout(REFUSED_SECONDS + 90)
 def test_a_worker_refused_for_a_while_works_again_soon_after_it_is_let_in(
     app: skiplock.App, start_worker: StartWorker, autocommit: psycopg.Connection[Any]
