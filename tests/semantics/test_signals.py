@@ -453,3 +453,33 @@ def test_a_workflow_step_that_waits_releases_its_children_once_it_completes(
     done = sem.wait_for_state(int(publish), "completed", timeout=PATIENCE)
 
     assert done.result == {"approve": {"by": "ana"}}
+
+
+def test_the_cli_sends_a_signal_and_says_what_it_did(
+    sem: Sem, workers: StartWorkers, run_cli: RunCli
+) -> None:
+    @sem.app.task(name="shipment")
+    def shipment(order: int) -> Any:
+        return skiplock.wait_for(f"paid:{order}")
+
+    workers(1)
+    ref = sem.enqueue(shipment, order=3)
+    sem.wait_for_state(ref, "waiting", timeout=PATIENCE)
+
+    sent = run_cli("signal", "paid:3", '{"total": 9}')
+    assert (sent.code, sent.out.strip()) == (0, f"signal 'paid:3' sent: job {ref} resumes")
+    assert sem.wait_for_state(ref, "completed", timeout=PATIENCE).result == {"total": 9}
+
+    kept = run_cli("signal", "paid:4", "--keep-days", "2")
+    assert kept.code == 0 and "kept: no job waits for it yet" in kept.out, kept.out
+    assert kept_signals(sem) == [("paid:4", None)]
+    (days,) = sem.execute(
+        "SELECT round(extract(epoch FROM expires_at - sent_at) / 86400) FROM {schema}.signals"
+    )[0]
+    assert int(days) == 2
+
+    bad = run_cli("signal", "paid:5", "{not json")
+    assert bad.code == 2 and "PAYLOAD must be JSON" in bad.err, bad.err
+    empty = run_cli("signal", "")
+    assert empty.code == 2 and "a non-empty string of at most 180 characters" in empty.err
+    assert kept_signals(sem) == [("paid:4", None)]
