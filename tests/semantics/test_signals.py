@@ -483,3 +483,17 @@ def test_the_cli_sends_a_signal_and_says_what_it_did(
     empty = run_cli("signal", "")
     assert empty.code == 2 and "a non-empty string of at most 180 characters" in empty.err
     assert kept_signals(sem) == [("paid:4", None)]
+
+
+def test_a_wait_written_by_hand_whose_answer_could_not_be_recorded_is_refused(sem: Sem) -> None:
+    """A signal or a timeout records the wait's answer under its step name: a row whose
+    name job_steps would refuse would fail every signal of its key and every pass of the
+    promoter, so the table refuses it."""
+    with (
+        sem.connect() as conn,
+        pytest.raises(psycopg.errors.CheckViolation, match="jobs_wait_valid"),
+    ):
+        conn.execute(
+            f'INSERT INTO "{sem.schema}".jobs (task, state, wait_key, wait_step, wait_until) '
+            "VALUES ('t', 'waiting', 'k', repeat('x', 201), now())"
+        )

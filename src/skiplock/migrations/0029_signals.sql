@@ -25,7 +25,9 @@ ALTER TABLE jobs ADD CONSTRAINT jobs_state_valid
 ALTER TABLE jobs ADD CONSTRAINT jobs_wait_valid
     CHECK ((wait_key IS NULL AND wait_step IS NULL AND wait_until IS NULL)
            OR (state = 'waiting' AND wait_key IS NOT NULL AND wait_step IS NOT NULL
-               AND char_length(wait_key) BETWEEN 1 AND 180))
+               AND char_length(wait_key) BETWEEN 1 AND 180
+               -- a name job_steps takes: the answer's record can always be written
+               AND char_length(wait_step) BETWEEN 1 AND 200))
     NOT VALID;
 
 -- A signal finds the oldest job waiting for its key; the promoter finds waits whose time
