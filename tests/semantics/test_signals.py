@@ -497,3 +497,55 @@ def test_a_wait_written_by_hand_whose_answer_could_not_be_recorded_is_refused(se
             f'INSERT INTO "{sem.schema}".jobs (task, state, wait_key, wait_step, wait_until) '
             "VALUES ('t', 'waiting', 'k', repeat('x', 201), now())"
         )
+
+
+def test_a_wait_whose_job_is_rescued_while_it_parks_leaves_the_rescue_alone(
+    sem: Sem, workers: StartWorkers
+) -> None:
+    """The wait's write queues behind a rescue's uncommitted change of the row: once the
+    rescue commits, the fence must refuse the park (the attempt no longer holds its job),
+    not overwrite what the rescue wrote."""
+    raised: list[str] = []
+    rescue_holds = threading.Event()
+    committed = threading.Event()
+
+    @sem.app.task(name="rescued", max_attempts=1)
+    def rescued() -> None:
+        job = skiplock.current_job()
+
+        def rescue() -> None:
+            with sem.connect(autocommit=False) as conn:
+                conn.execute(
+                    f"UPDATE \"{sem.schema}\".jobs SET state = 'available', worker_id = NULL, "
+                    "lease_expires_at = NULL, attempts = attempts - 1 WHERE id = %s",
+                    (job.id,),
+                )
+                rescue_holds.set()
+                wait_until(
+                    lambda: bool(
+                        sem.execute(
+                            "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                            "AND query LIKE '%%wait_key = %%'"
+                        )
+                    ),
+                    PATIENCE,
+                    "the wait to queue behind the rescue",
+                )
+                conn.commit()
+                committed.set()
+
+        threading.Thread(target=rescue).start()
+        rescue_holds.wait(PATIENCE)
+        try:
+            skiplock.wait_for("k")
+        except skiplock.LeaseLostError as exc:
+            raised.append(str(exc))
+
+    workers(1, lease_seconds=60.0)
+    ref = sem.enqueue(rescued)
+    wait_until(lambda: raised, PATIENCE, "the wait to be refused")
+
+    assert committed.is_set()
+    assert "no longer holds the job" in raised[0]
+    state, key, _, _, worker = wait_row(sem, ref)
+    assert key is None and worker is None and state in ("available", "running"), (state, key)

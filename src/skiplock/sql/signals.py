@@ -11,7 +11,8 @@ SIGNAL_KEY_LOCK = """
 SELECT pg_advisory_xact_lock(hashtextextended(%(lock)s, 0))
 """
 
-# The attempt waits for %(key)s, fenced: if a signal for the key is kept, the oldest is
+# The attempt waits for %(key)s, fenced (the row locked first, and the fence again in the
+# write's own WHERE: a rescue committed while this waited for the lock must win): if a signal for the key is kept, the oldest is
 # taken, recorded as the wait's answer, and the attempt goes on (its payload comes back);
 # otherwise the job waits, until a signal or %(seconds)s (NULL: no limit). The row comes
 # back with whether the attempt held its job, the payload taken, and whether it now waits.
@@ -19,6 +20,7 @@ JOB_WAIT_IF_HELD = """
 WITH held AS (
     SELECT j.id FROM {jobs} AS j
     WHERE j.id = %(id)s AND j.attempts = %(attempt)s AND j.worker_id = %(worker_id)s
+    FOR UPDATE
 ), kept AS (
     DELETE FROM {signals} AS s
     WHERE s.id = (SELECT k.id FROM {signals} AS k
@@ -44,7 +46,8 @@ WITH held AS (
         attempts = j.attempts - 1,
         worker_id = NULL,
         lease_expires_at = NULL
-    WHERE j.id = (SELECT id FROM held) AND NOT EXISTS (SELECT FROM kept)
+    WHERE j.id = %(id)s AND j.attempts = %(attempt)s AND j.worker_id = %(worker_id)s
+      AND EXISTS (SELECT FROM held) AND NOT EXISTS (SELECT FROM kept)
     RETURNING j.id
 )
 SELECT EXISTS (SELECT FROM held), (SELECT payload::text FROM kept), EXISTS (SELECT FROM parked)
