@@ -12,8 +12,9 @@ SELECT pg_advisory_xact_lock(hashtextextended(%(lock)s, 0))
 """
 
 # The attempt waits for %(key)s, fenced (the row locked first, and the fence again in the
-# write's own WHERE: a rescue committed while this waited for the lock must win): if a signal for the key is kept, the oldest is
-# taken, recorded as the wait's answer, and the attempt goes on (its payload comes back);
+# write's own WHERE: a rescue committed while this waited for the lock must win). If a
+# signal for the key is kept, the oldest is taken, recorded as the wait's answer, and the
+# attempt goes on (its payload comes back);
 # otherwise the job waits, until a signal or %(seconds)s (NULL: no limit). The row comes
 # back with whether the attempt held its job, the payload taken, and whether it now waits.
 JOB_WAIT_IF_HELD = """
