@@ -25,6 +25,7 @@ from typing import Any
 import psycopg
 
 import skiplock
+from skiplock.worker.keepalives import with_keepalives
 
 app = skiplock.App(schema="skiplock")
 
@@ -66,6 +67,15 @@ WHERE job_id = %s AND attempt = %s AND pid = %s AND finished_at IS NULL
 # handler gives up; well past any outage the suite causes.
 RECORD_PATIENCE = 60.0
 RECORD_BACKOFF_CAP = 0.5
+# A recorder's connection fails within about this many seconds of its peer going silent,
+# as the worker's own do (tcp_user_timeout and keepalives): without them, a write whose
+# answer was lost in a cut link waits for ever once the server has dropped the session
+# (the kernel aborts it without a word), and the handler with it.
+RECORD_SILENCE = 4.0
+
+
+def _recorder_url() -> str:
+    return with_keepalives(app.database_url, RECORD_SILENCE)
 
 
 class RecorderUnavailableError(Exception):
@@ -99,7 +109,7 @@ class SyncRecorder:
                 try:
                     if self._conn is None or self._conn.closed:
                         self._conn = psycopg.connect(
-                            app.database_url, autocommit=True, connect_timeout=5
+                            _recorder_url(), autocommit=True, connect_timeout=5
                         )
                     self._conn.execute(statement, params)
                     return
@@ -138,7 +148,7 @@ class AsyncRecorder:
                 try:
                     if self._conn is None or self._conn.closed:
                         self._conn = await psycopg.AsyncConnection.connect(
-                            app.database_url, autocommit=True, connect_timeout=5
+                            _recorder_url(), autocommit=True, connect_timeout=5
                         )
                     await self._conn.execute(statement, params)
                     return

@@ -130,8 +130,23 @@ def diagnose(db: ChaosDatabase, fleet: Fleet) -> str:
     states = db.conn.execute(
         f"SELECT state, count(*), min(lease_expires_at) FROM {SCHEMA}.jobs GROUP BY state"
     ).fetchall()
-    tails = "\n".join(f"--- {w.appname} ({w.pid})\n{w.log()[-1500:]}" for w in fleet.alive())
-    return f"jobs left by state: {states}\n{tails}"
+    left = db.conn.execute(
+        f"SELECT j.id, j.state, j.attempts, j.task, w.pid, j.lease_expires_at"
+        f" FROM {SCHEMA}.jobs AS j LEFT JOIN {SCHEMA}.workers AS w ON w.id = j.worker_id"
+        " WHERE j.state <> 'dead' ORDER BY j.id LIMIT 20"
+    ).fetchall()
+    # Each worker's lines that name a job left, then its log's tail: a stuck job's story
+    # is usually older than the tail.
+    marks = [f"job {row[0]} " for row in left]
+
+    def story(log: str) -> str:
+        return "".join(line for line in log.splitlines(True) if any(m in line for m in marks))
+
+    tails = "\n".join(
+        f"--- {w.appname} ({w.pid})\n{story(w.log())[-3000:]}...\n{w.log()[-1500:]}"
+        for w in fleet.alive()
+    )
+    return f"jobs left by state: {states}\njobs left but dead ones: {left}\n{tails}"
 
 
 # -- judging a run --------------------------------------------------------------------------
