@@ -26,7 +26,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from skiplock.config import done_channel
+from skiplock.config import done_channel, results_notice
 from skiplock.outcomes import OUTCOME_TYPES, Completed, Outcome
 from skiplock.retry import RetryPolicy
 from skiplock.sql import complete, render
@@ -164,7 +164,7 @@ class Completer:
         self._alone_sql = {group: render(statement, schema) for group, statement in _ALONE.items()}
         self._refused_sql = render(complete.JOB_FAIL_UNSTORABLE_IF_LEASED, schema)
         self._durable_sql = render(complete.DURABLE_COMMIT_ON, schema)
-        self._done_sql = render(complete.JOBS_DONE_NOTIFY, schema)
+        self._results_notice = results_notice(schema)
         self._done_channel = done_channel(schema)
         self._pending: list[Outcome] = []
         self._ready = asyncio.Event()
@@ -319,7 +319,7 @@ class Completer:
                         )
                     )
                 # One wake-up per flush for anyone awaiting a result (wait_for_result).
-                await conn.execute(self._done_sql, {"channel": self._done_channel})
+                await conn.execute(*self._results_notice)
             for cur in cursors:
                 written.update(r[0] for r in await cur.fetchall())
         return written

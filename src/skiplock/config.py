@@ -7,6 +7,7 @@ import os
 import re
 
 from skiplock.errors import ConfigurationError
+from skiplock.sql import complete, render
 
 DATABASE_URL_ENV = "SKIPLOCK_DATABASE_URL"
 SCHEMA_ENV = "SKIPLOCK_SCHEMA"
@@ -60,6 +61,12 @@ def validate_schema(name: str) -> str:
 def done_channel(schema: str) -> str:
     """Notified once per batch of written outcomes, for callers awaiting results."""
     return f"{schema}.done"
+
+
+def results_notice(schema: str) -> tuple[str, dict[str, str]]:
+    """The statement and parameters that wake callers awaiting results (done_channel),
+    sent after outcomes are written that nothing else notifies."""
+    return render(complete.JOBS_DONE_NOTIFY, schema), {"channel": done_channel(schema)}
 
 
 def control_channel(schema: str) -> str:

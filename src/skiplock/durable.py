@@ -34,7 +34,7 @@ from typing import Any, NoReturn, TypeVar
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from skiplock.config import done_channel
+from skiplock.config import results_notice
 from skiplock.context import current_job_or_none
 from skiplock.errors import (
     AttemptSuspended,
@@ -191,7 +191,7 @@ class LeasedStore(StepStore):
         self._pool = pool
         self._schema = schema
         self.worker_id = worker_id
-        self.done_channel = done_channel(schema)
+        self.results_notice = results_notice(schema)
         self._loop = asyncio.get_running_loop()
         # Each request's future: an asyncio one (async handlers) or a thread-safe one.
         self._loads: list[tuple[int, _Answer[dict[str, str | None]]]] = []
@@ -440,14 +440,8 @@ class _Attempt:
         self.counts[base] = self.counts.get(base, 0) + 1
         return self.done(name, text)
 
-    def claim_name(self, name: object) -> str:
-        if not isinstance(name, str) or not name or len(name) > MAX_STEP_NAME:
-            raise ConfigurationError(
-                f"a step name is a non-empty string of at most {MAX_STEP_NAME} characters, "
-                f"got {name!r}"
-            )
-        if not storable_json_text(json.dumps(name)):
-            raise ConfigurationError(f"step name {name!r} cannot be stored: {problem_in(name)}")
+    def claim_name(self, given: object) -> str:
+        name = checked_name(given, "step name", MAX_STEP_NAME)
         if name in self.used:
             raise ConfigurationError(
                 f"step {name!r} ran already in this attempt: step names are unique within a "
@@ -620,7 +614,7 @@ def complete(conn: psycopg.Connection[Any], /, result: object = None) -> None:
     attempt, store, params = _completion("complete", result)
     row = conn.execute(store.sql(complete_sql.JOB_COMPLETE_MANY_IF_LEASED), params).fetchone()
     if row is not None:
-        conn.execute(store.sql(complete_sql.JOBS_DONE_NOTIFY), {"channel": store.done_channel})
+        conn.execute(*store.results_notice)
     _completed(attempt, row)
 
 
@@ -630,9 +624,7 @@ async def complete_async(conn: psycopg.AsyncConnection[Any], /, result: object =
     cur = await conn.execute(store.sql(complete_sql.JOB_COMPLETE_MANY_IF_LEASED), params)
     row = await cur.fetchone()
     if row is not None:
-        await conn.execute(
-            store.sql(complete_sql.JOBS_DONE_NOTIFY), {"channel": store.done_channel}
-        )
+        await conn.execute(*store.results_notice)
     _completed(attempt, row)
 
 
@@ -645,14 +637,19 @@ MAX_SUSPEND_SECONDS = 10 * 366 * 86400.0
 
 def check_signal_key(key: object) -> str:
     """``key`` if a signal can carry it, else a ConfigurationError saying why."""
-    if not isinstance(key, str) or not key or len(key) > MAX_SIGNAL_KEY:
+    return checked_name(key, "signal key", MAX_SIGNAL_KEY)
+
+
+def checked_name(value: object, what: str, longest: int) -> str:
+    """``value`` if it is a string PostgreSQL stores, 1 to ``longest`` characters long;
+    else a ConfigurationError naming ``what`` and the problem."""
+    if not isinstance(value, str) or not value or len(value) > longest:
         raise ConfigurationError(
-            f"a signal key is a non-empty string of at most {MAX_SIGNAL_KEY} characters, "
-            f"got {key!r}"
+            f"a {what} is a non-empty string of at most {longest} characters, got {value!r}"
         )
-    if not storable_json_text(json.dumps(key)):
-        raise ConfigurationError(f"signal key {key!r} cannot be stored: {problem_in(key)}")
-    return key
+    if not storable_json_text(json.dumps(value)):
+        raise ConfigurationError(f"{what} {value!r} cannot be stored: {problem_in(value)}")
+    return value
 
 
 def _seconds(what: str, value: object, *, optional: bool) -> float | None:

@@ -25,7 +25,7 @@ from typing import Any
 import psycopg
 
 from skiplock.app import App
-from skiplock.config import done_channel
+from skiplock.config import done_channel, results_notice
 from skiplock.context import CancelFlag, set_current_job
 from skiplock.durable import LockedStore, StepStore, set_step_store
 from skiplock.errors import (
@@ -39,6 +39,7 @@ from skiplock.outcomes import Completed, Outcome, Snoozed, Suspended, failed, lo
 from skiplock.retry import RetryPolicy, decide_failure, retry_at_from
 from skiplock.sql import claim, complete, render
 from skiplock.storable import encode_result, storable_message, storable_text
+from skiplock.tasks import Task
 from skiplock.tracebacks import format_handler_exception
 from skiplock.tracing import Tracing
 from skiplock.types import ClaimedJob
@@ -242,24 +243,7 @@ async def run_leased(
         # Each asyncio task runs in its own context copy, so this is per job.
         set_current_job(job, cancel, progress)
         set_step_store(steps, completing, app.tracing)  # skiplock.step(), complete(), ...
-        if task.is_async:
-            coro = task.fn(**job.args)
-            timeout = task.options.timeout
-            # Without a timeout wait_for only awaits the coroutine: so do we, a step less.
-            result = await (coro if timeout is None else asyncio.wait_for(coro, timeout))
-        else:
-            # run_in_executor does not carry context into the thread: hand it over.
-            context = contextvars.copy_context()
-            timeout = task.options.timeout
-            if timeout is None:
-                # No timeout to count: no word back from the thread when the handler
-                # starts, which would wake the event loop once more per job.
-                result = await asyncio.get_running_loop().run_in_executor(
-                    threads, partial(context.run, task.fn, **job.args)
-                )
-            else:
-                call = partial(context.run, task.fn, **job.args)
-                result = await _in_thread_timed(job, call, threads, timeout, on_abandoned)
+        result = await _call_leased(task, job, threads, on_abandoned)
         # Inside the try: a value PostgreSQL cannot store fails this attempt, here.
         return Completed(job.id, job.attempts, encode_result(result))
     except AttemptSuspended as suspended:  # its handler wrote that it waits or sleeps
@@ -278,6 +262,28 @@ async def run_leased(
         # The job's task must end with an outcome whatever the exception holds.
         log.exception("job %s: its failure could not be recorded as raised", job.id)
         return last_resort_outcome(job, job.attempts, problem, now, rng)
+
+
+async def _call_leased(
+    task: Task[Any],
+    job: ClaimedJob,
+    threads: Executor,
+    on_abandoned: Callable[[asyncio.Future[Any]], None] | None,
+) -> Any:
+    """The handler's return value: awaited (async), or from a worker thread (sync),
+    within the task's timeout."""
+    timeout = task.options.timeout
+    if task.is_async:
+        coro = task.fn(**job.args)
+        # Without a timeout wait_for only awaits the coroutine: so do we, a step less.
+        return await (coro if timeout is None else asyncio.wait_for(coro, timeout))
+    # run_in_executor does not carry context into the thread: hand it over.
+    call = partial(contextvars.copy_context().run, task.fn, **job.args)
+    if timeout is None:
+        # No timeout to count: no word back from the thread when the handler starts,
+        # which would wake the event loop once more per job.
+        return await asyncio.get_running_loop().run_in_executor(threads, call)
+    return await _in_thread_timed(job, call, threads, timeout, on_abandoned)
 
 
 async def _in_thread_timed(
@@ -392,10 +398,6 @@ class _TracedAttempt:
 
     def abort(self, exc: BaseException) -> None:
         self._span.__exit__(type(exc), exc, exc.__traceback__)
-
-
-def _done_notify(app: App) -> tuple[str, dict[str, Any]]:
-    return render(complete.JOBS_DONE_NOTIFY, app.schema), {"channel": done_channel(app.schema)}
 
 
 def _lock_params(queue: str, tasks: Sequence[str], limit: int, governed: bool) -> dict[str, Any]:
@@ -615,7 +617,7 @@ async def run_transactional_async(
                     break
                 batch.ended(outcome)
             if jobs:
-                await conn.execute(*_done_notify(app))
+                await conn.execute(*results_notice(app.schema))
     except Exception as exc:
         lost = None if batch is None else batch.aborted(exc)
         if lost is not None:
@@ -889,7 +891,7 @@ def run_transactional_sync(
                 limits.reset(timeout)
                 batch.ended(outcome)
             if jobs:
-                conn.execute(*_done_notify(app))
+                conn.execute(*results_notice(app.schema))
     except CutShortError as cut:
         assert batch is not None
         running = batch.aborted(cut)

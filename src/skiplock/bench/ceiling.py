@@ -23,7 +23,7 @@ from skiplock.bench.measure import Figure, Report, Settings
 from skiplock.bench.pgbench import pgbench_path, run_pgbench
 from skiplock.bench.workers import WORKER_ARGS
 from skiplock.completer import outcome_writes
-from skiplock.config import done_channel
+from skiplock.config import results_notice
 from skiplock.cursor import ClaimCursor
 from skiplock.outcomes import Completed
 from skiplock.sql import claim, complete, render
@@ -88,8 +88,7 @@ def _ceiling_process(url: str, schema: str, batch: int, start: Any, result: Any)
     worker_id = uuid.uuid4()
     complete_sql = render(complete.JOB_COMPLETE_MANY_IF_LEASED, schema)
     durable_sql = render(complete.DURABLE_COMMIT_ON, schema)
-    done_sql = render(complete.JOBS_DONE_NOTIFY, schema)
-    channel = done_channel(schema)
+    notice = results_notice(schema)
     cursor = ClaimCursor()
     done = 0
     with psycopg.connect(url, autocommit=True, options=claim.WORKER_SESSION_OPTIONS) as conn:
@@ -102,7 +101,7 @@ def _ceiling_process(url: str, schema: str, batch: int, start: Any, result: Any)
                 for group, written in outcome_writes(outcomes):
                     assert group == "completed", group
                     conn.execute(complete_sql, {**written, "worker_id": worker_id})
-                conn.execute(done_sql, {"channel": channel})
+                conn.execute(*notice)
             done += len(rows)
     result.put(done)
 

@@ -20,9 +20,9 @@ import psycopg
 from psycopg.rows import dict_row
 
 from skiplock.client import params
-from skiplock.config import control_channel, done_channel, notify_channel
+from skiplock.config import control_channel, notify_channel, results_notice
 from skiplock.errors import JobNotFoundError
-from skiplock.sql import admin, complete, enqueue, render, replica, signals
+from skiplock.sql import admin, enqueue, render, replica, signals
 from skiplock.tasks import JobSpec
 from skiplock.types import Job
 
@@ -239,7 +239,7 @@ def cancel_jobs(conn: Conn, schema: str, ids: Sequence[int]) -> int:
     )
     running = cur.fetchall()
     if waiting:  # wake anyone awaiting these jobs' results
-        conn.execute(render(complete.JOBS_DONE_NOTIFY, schema), {"channel": done_channel(schema)})
+        conn.execute(*results_notice(schema))
     return len(waiting) + len(running)
 
 

@@ -11,23 +11,26 @@ from functools import lru_cache
 
 from psycopg import sql
 
+# The placeholders of a template, and the table each names (all but {history} by itself).
+TABLES = {
+    "jobs": "jobs",
+    "history": "job_history",
+    "workers": "workers",
+    "leader": "leader",
+    "queues": "queues",
+    "periodic": "periodic",
+    "unique_windows": "unique_windows",
+    "key_rates": "key_rates",
+    "workflows": "workflows",
+    "workflow_steps": "workflow_steps",
+    "job_steps": "job_steps",
+    "signals": "signals",
+}
+
 
 @lru_cache(maxsize=512)
 def render(template: str, schema: str) -> str:
     """The statement with table names qualified by ``schema`` and safely quoted."""
-    composed = sql.SQL(template).format(
-        jobs=sql.Identifier(schema, "jobs"),
-        history=sql.Identifier(schema, "job_history"),
-        workers=sql.Identifier(schema, "workers"),
-        leader=sql.Identifier(schema, "leader"),
-        queues=sql.Identifier(schema, "queues"),
-        periodic=sql.Identifier(schema, "periodic"),
-        unique_windows=sql.Identifier(schema, "unique_windows"),
-        key_rates=sql.Identifier(schema, "key_rates"),
-        workflows=sql.Identifier(schema, "workflows"),
-        workflow_steps=sql.Identifier(schema, "workflow_steps"),
-        job_steps=sql.Identifier(schema, "job_steps"),
-        signals=sql.Identifier(schema, "signals"),
-        schema=sql.Identifier(schema),
-    )
+    names = {name: sql.Identifier(schema, table) for name, table in TABLES.items()}
+    composed = sql.SQL(template).format(**names, schema=sql.Identifier(schema))
     return composed.as_string(None)

@@ -27,7 +27,7 @@ from uuid import UUID
 import psycopg
 
 from skiplock.completer import fenced_batch
-from skiplock.config import done_channel, notify_channel
+from skiplock.config import notify_channel, results_notice
 from skiplock.sql import complete, maintenance, render
 from skiplock.waiting import wait_event
 from skiplock.worker.liveness import session_kwargs
@@ -155,9 +155,8 @@ class Heartbeat(PeriodicService):
         self._unknown = render(maintenance.JOB_RUNNING_UNKNOWN, schema)
         self._give_back = render(maintenance.JOB_GIVE_BACK_UNKNOWN, schema)
         self._cancel = render(complete.JOB_CANCEL_MANY_IF_LEASED, schema)
-        self._done = render(complete.JOBS_DONE_NOTIFY, schema)
         self._channel = notify_channel(schema)
-        self._done_channel = done_channel(schema)
+        self._results_notice = results_notice(schema)
         self._touch = render(maintenance.WORKER_TOUCH, schema)
         self._extend = render(maintenance.JOB_EXTEND_LEASES_SKIP_LOCKED, schema)
         self._progress = render(complete.JOB_PROGRESS_SET, schema)
@@ -358,7 +357,7 @@ class Heartbeat(PeriodicService):
         )
         ended = len(await cur.fetchall())
         if ended:
-            await conn.execute(self._done, {"channel": self._done_channel})
+            await conn.execute(*self._results_notice)
         return ended
 
     def _beaten(self, asked_at: float) -> None:

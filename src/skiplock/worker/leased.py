@@ -490,41 +490,9 @@ class LeasedJobs:
             or time.monotonic() - self._fresh_since(entry.claim) <= self.confirm_after
         ):
             return True
-        for _ in range(CONFIRM_TRIES):
-            asked_at = time.monotonic()
-            try:
-                # Claimed again by this worker meanwhile, the row reads as ours: hence the
-                # second look at the registry below.
-                ours = await self.starts.still_claimed(job.id, job.attempts)
-            except Exception as exc:  # unconfirmed either way: it must not start
-                log.warning(
-                    "job %s: could not confirm its claim after a silence (%s); not starting it",
-                    job.id,
-                    exc,
-                )
-                self._events.lost(job, job.attempts)
-                return False
-            if not ours:
-                self._events.lost(job, job.attempts)
-                log.warning(
-                    "job %s attempt %s: given back while it waited for a slot (this "
-                    "worker was out of touch); not starting it",
-                    job.id,
-                    job.attempts,
-                )
-                return False
-            answered_at = time.monotonic()
-            if answered_at - asked_at <= self.late_answer:
-                break
-            # The yes is as old as the question: the worker stopped while it was on its
-            # way, and the job may have been given back since. Ask again.
-        else:
+        answered_at = await self._confirm_claim(job)
+        if answered_at is None:
             self._events.lost(job, job.attempts)
-            log.warning(
-                "job %s attempt %s: every confirmation of its claim came late; not starting it",
-                job.id,
-                job.attempts,
-            )
             return False
         # The row reads as ours also when this worker claimed the job again meanwhile
         # (the same attempt number): that claim, committed before the answer, may not be
@@ -546,6 +514,44 @@ class LeasedJobs:
             self._events.lost(job, job.attempts)
             return False
         return True
+
+    async def _confirm_claim(self, job: ClaimedJob) -> float | None:
+        """When the database's fresh yes to "is ``job`` still claimed by this attempt?"
+        was read (monotonic seconds), or None, saying why, if it said no, could not be
+        asked, or every yes came as late as its question."""
+        assert self.starts is not None
+        for _ in range(CONFIRM_TRIES):
+            asked_at = time.monotonic()
+            try:
+                # Claimed again by this worker meanwhile, the row reads as ours: hence the
+                # caller's second look at the registry.
+                ours = await self.starts.still_claimed(job.id, job.attempts)
+            except Exception as exc:  # unconfirmed either way: it must not start
+                log.warning(
+                    "job %s: could not confirm its claim after a silence (%s); not starting it",
+                    job.id,
+                    exc,
+                )
+                return None
+            if not ours:
+                log.warning(
+                    "job %s attempt %s: given back while it waited for a slot (this "
+                    "worker was out of touch); not starting it",
+                    job.id,
+                    job.attempts,
+                )
+                return None
+            answered_at = time.monotonic()
+            if answered_at - asked_at <= self.late_answer:
+                return answered_at
+            # The yes is as old as the question: the worker stopped while it was on its
+            # way, and the job may have been given back since. Ask again.
+        log.warning(
+            "job %s attempt %s: every confirmation of its claim came late; not starting it",
+            job.id,
+            job.attempts,
+        )
+        return None
 
     async def _start_keyed(self, entry: RunningJob) -> bool:
         """Release a claimed-ahead job's queued-scope key, recording its start, before it

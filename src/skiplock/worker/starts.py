@@ -22,7 +22,7 @@ from uuid import UUID
 from psycopg_pool import AsyncConnectionPool
 
 from skiplock.completer import fenced_batch
-from skiplock.config import done_channel, notify_channel
+from skiplock.config import notify_channel, results_notice
 from skiplock.sql import claim, complete, render
 from skiplock.worker.supervisor import PeriodicService
 
@@ -54,9 +54,8 @@ class StartRecorder(PeriodicService):
         self._still_claimed = render(claim.JOB_STILL_CLAIMED, schema)
         self._give_back = render(complete.JOB_GIVE_BACK_UNSTARTED, schema)
         self._start_keyed = render(claim.JOB_START_KEYED, schema)
-        self._done = render(complete.JOBS_DONE_NOTIFY, schema)
         self._channel = notify_channel(schema)
-        self._done_channel = done_channel(schema)
+        self._results_notice = results_notice(schema)
         self._worker_id = worker_id
         self._attempt_of = attempt_of
         self._after = after
@@ -104,7 +103,7 @@ class StartRecorder(PeriodicService):
             )
             rows = await cur.fetchall()
             if any(row[0] is None for row in rows):  # some ended cancelled: wake waiters
-                await conn.execute(self._done, {"channel": self._done_channel})
+                await conn.execute(*self._results_notice)
         return sum(int(row[1]) for row in rows if row[0] is not None)
 
     async def pause(self) -> None:
