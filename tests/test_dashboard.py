@@ -417,7 +417,7 @@ def test_bulk_actions_on_a_selection_and_on_every_match(
     assert [job_state(app, i) for i in (first, second, third)] == ["available", "available", "dead"]
 
     response = post(web, "/bulk", action="retry:matching", state="dead", queue="emails")
-    assert "1 of 1 jobs made available again" in response.text
+    assert "1 of 1 job made available again" in response.text
     assert job_state(app, third) == "available"
     assert job_state(app, other) == "dead"
     assert any(

@@ -19,7 +19,7 @@ import pytest
 from psycopg import sql
 
 import skiplock
-from skiplock.cli.databases import database_url_problem, without_password
+from skiplock.routing import database_url_problem, without_password
 from skiplock.tasks import argument_mismatch
 
 README = Path(__file__).resolve().parent.parent / "README.md"

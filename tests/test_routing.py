@@ -150,8 +150,11 @@ class RoutedThread:
     [
         ({"": "postgresql:///x"}, "queue"),
         ({"bad queue!": "postgresql:///x"}, "queue"),
-        ({"reports": ""}, "queue_databases['reports']: expected a PostgreSQL URL"),
-        ({"reports": 5}, "queue_databases['reports']: expected a PostgreSQL URL"),
+        (
+            {"reports": ""},
+            "queue_databases['reports']: expected postgresql://USER@HOST:PORT/DBNAME",
+        ),
+        ({"reports": 5}, "queue_databases['reports']: expected postgresql://USER@HOST:PORT/DBNAME"),
         ({"reports": "postgresql://u:secret@h/db?bogus=1"}, "is malformed"),
         (["reports"], "queue_databases must map queue names to database URLs"),
     ],

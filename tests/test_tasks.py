@@ -286,7 +286,7 @@ class Order:
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        (Order(), "argument 'value' is a Order, which is not JSON"),
+        (Order(), "argument 'value' is an Order, which is not JSON"),
         ({1, 2}, "argument 'value' is a set"),
         (datetime(2030, 1, 1, tzinfo=UTC), "argument 'value' is a datetime"),
         (b"bytes", "argument 'value' is a bytes"),

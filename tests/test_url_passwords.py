@@ -15,9 +15,9 @@ from psycopg.conninfo import conninfo_to_dict
 from starlette.testclient import TestClient
 
 from skiplock import routing
-from skiplock.cli.databases import database_url_problem
 from skiplock.dashboard import create_app
 from skiplock.errors import ConfigurationError
+from skiplock.routing import database_url_problem
 
 PASSWORDS = ["Kq%Zx9wV", "Kq Zx9wV", "Kq/Zx%9wV", "Kq%zzW@v J", "Kq9Zx%", "Kq%4"]
 
@@ -61,7 +61,7 @@ def test_a_malformed_route_is_named_without_its_password(url: str, password: str
     with pytest.raises(ConfigurationError) as refused:
         routing.check_routes({"reports": url})
 
-    assert "queue_databases['reports']: the URL" in str(refused.value)
+    assert "queue_databases['reports']: the database URL" in str(refused.value)
     assert "is malformed (" in str(refused.value)
     assert leaks(password, str(refused.value)) == []
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import sys
@@ -29,6 +30,7 @@ from skiplock.periodic import Periodic
 from skiplock.results import JobRef, wait_for_result, wait_for_result_async
 from skiplock.tasks import MAX_TASK_NAME, JobSpec, Task, check_name, parse_task_options
 from skiplock.tracing import Send, Tracing
+from skiplock.wording import with_article
 from skiplock.workflow import Workflow, register_app
 
 R = TypeVar("R")
@@ -67,6 +69,8 @@ class App:
 
         if embedded and database_url and database_url != EMBEDDED:
             raise ConfigurationError("give App a database_url or embedded=True, not both")
+        if database_url is not None:  # a typo fails here, not in psycopg at the first job
+            routing.check_database_url(database_url, "App(database_url=...)")
         self.schema = validate_schema(schema or os.environ.get(SCHEMA_ENV) or DEFAULT_SCHEMA)
         self._database_url = database_url
         self._embedded = embedded
@@ -90,7 +94,7 @@ class App:
     def configure(self, *, database_url: str | None = None, schema: str | None = None) -> None:
         """Point an already-defined App elsewhere (the CLI's --database-url and --schema)."""
         if database_url:
-            self._database_url = database_url
+            self._database_url = routing.check_database_url(database_url, "database_url")
             self._embedded = False
         if schema:
             self.schema = validate_schema(schema)
@@ -373,15 +377,33 @@ def load_app(spec: str) -> App:
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         raise ConfigurationError(f"expected MODULE:APP (e.g. myapp.tasks:app), got {spec!r}")
+    if "/" in module_name or module_name.endswith(".py"):
+        dotted = module_name.removesuffix(".py").strip("/").replace("/", ".")
+        raise ConfigurationError(
+            f"{spec!r} names a file; name the module, with dots: {dotted}:{attribute}"
+        )
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigurationError(f"cannot import {module_name!r}: {exc}") from exc
-    app = getattr(module, attribute, None)
+    if not hasattr(module, attribute):
+        apps = sorted(name for name, value in vars(module).items() if isinstance(value, App))
+        near = difflib.get_close_matches(attribute, apps, n=1, cutoff=0.5)
+        hint = (
+            f"; did you mean {module_name}:{near[0]}?"
+            if near
+            else f"; its Apps: {', '.join(apps)}"
+            if apps
+            else "; it defines no skiplock.App"
+        )
+        raise ConfigurationError(f"module {module_name!r} has no attribute {attribute!r}{hint}")
+    app = getattr(module, attribute)
     if not isinstance(app, App):
-        raise ConfigurationError(f"{spec!r} is not a skiplock.App (got {type(app).__name__})")
+        raise ConfigurationError(
+            f"{spec!r} is {with_article(type(app).__name__)}, not a skiplock.App"
+        )
     return app
 
 

@@ -19,6 +19,7 @@ from skiplock.migrate import pending_migrations
 from skiplock.sql import doctor as q
 from skiplock.sql import history as history_sql
 from skiplock.sql import render
+from skiplock.wording import plural
 
 Conn = psycopg.Connection[Any]
 
@@ -201,18 +202,51 @@ def check_workers(conn: Conn, schema: str, limits: Limits) -> list[Finding]:
     row = conn.execute(
         render(q.DOCTOR_STALE_WORKERS, schema), {"stale": limits.stale_worker_seconds}
     ).fetchone()
-    stale = row[0] if row else 0
+    registered, stale = (row[0], row[1]) if row else (0, 0)
+    if not registered:
+        return [
+            Finding(
+                "workers",
+                "warn",
+                "no worker is registered: nothing runs this schema's jobs",
+                "start one: skiplock worker MODULE:APP",
+            )
+        ]
     if stale:
         return [
             Finding(
                 "workers",
                 "warn",
-                f"{stale} registered workers have not been seen for "
+                f"{plural(stale, 'registered worker')} of {registered} not seen for "
                 f"{limits.stale_worker_seconds:.0f}s (hung, or lease-only workers that died)",
                 "their jobs are rescued when their leases expire; check those hosts",
             )
         ]
-    return [Finding("workers", "ok", "every registered worker checked in recently")]
+    return [
+        Finding(
+            "workers",
+            "ok",
+            f"{plural(registered, 'registered worker')}, each seen in the last "
+            f"{limits.stale_worker_seconds:.0f}s",
+        )
+    ]
+
+
+def check_dead(conn: Conn, schema: str, limits: Limits) -> list[Finding]:
+    """Dead jobs: each queue's, a warning, since they wait for a human (retry or delete)."""
+    rows = conn.execute(render(q.DOCTOR_DEAD_JOBS, schema)).fetchall()
+    found = [
+        Finding(
+            "dead jobs",
+            "warn",
+            f"queue {queue} has {plural(dead, 'dead job')}"
+            + ("" if latest is None else f", the latest tried {latest:.0f}s ago"),
+            f"read them: skiplock jobs list --state dead --queue {queue}; then "
+            f"skiplock jobs retry --all --state dead --queue {queue} (or delete)",
+        )
+        for queue, dead, latest in rows
+    ]
+    return found or [Finding("dead jobs", "ok", "none")]
 
 
 def check_indexes(conn: Conn, schema: str, limits: Limits) -> list[Finding]:
@@ -330,6 +364,7 @@ CHECKS: list[Callable[[Conn, str, Limits], list[Finding]]] = [
     check_notifications,
     check_workers,
     check_waiting,
+    check_dead,
     check_indexes,
     check_history,
     check_transactional,

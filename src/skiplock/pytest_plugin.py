@@ -77,6 +77,7 @@ def skiplock_schema(skiplock_database_url: str) -> Iterator[str]:
 def _import_app(path: str) -> App:
     from skiplock.app import App  # noqa: PLC0415
     from skiplock.errors import ConfigurationError  # noqa: PLC0415
+    from skiplock.wording import with_article  # noqa: PLC0415
 
     module_name, _, attribute = path.partition(":")
     if not module_name or not attribute:
@@ -88,7 +89,7 @@ def _import_app(path: str) -> App:
         found = getattr(found, part)
     if not isinstance(found, App):
         raise ConfigurationError(
-            f"{APP_SETTING} = {path!r} is a {type(found).__name__}, not an App"
+            f"{APP_SETTING} = {path!r} is {with_article(type(found).__name__)}, not an App"
         )
     return found
 

@@ -18,6 +18,7 @@ from urllib.parse import unquote
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from skiplock.config import EMBEDDED
 from skiplock.errors import ConfigurationError, EnqueueError
 from skiplock.sql.routing import DATABASE_IDENTITY
 from skiplock.tasks import MAX_QUEUE_NAME, check_name
@@ -41,19 +42,7 @@ def check_routes(routes: Mapping[str, str] | None) -> dict[str, str]:
     checked: dict[str, str] = {}
     for queue, url in routes.items():
         check_name("queue", queue, MAX_QUEUE_NAME)
-        if not isinstance(url, str) or not url.strip():
-            raise ConfigurationError(
-                f"queue_databases[{queue!r}]: expected a PostgreSQL URL, got {url!r}"
-            )
-        try:
-            conninfo_to_dict(url)
-        except psycopg.ProgrammingError as exc:
-            raise ConfigurationError(
-                f"queue_databases[{queue!r}]: the URL {without_passwords(url, url)!r} is "
-                f"malformed ({without_passwords(str(exc).strip(), url)}); expected "
-                "postgresql://USER@HOST:PORT/DBNAME"
-            ) from None
-        checked[queue] = url
+        checked[queue] = check_database_url(url, f"queue_databases[{queue!r}]")
     return checked
 
 
@@ -77,6 +66,47 @@ _QUOTED = re.compile(r""""([^"]*)"|'([^']*)'""")
 _NEXT_SETTING = re.compile(r"\s+[A-Za-z_]+\s*=")
 _SETTING_PASSWORD = re.compile(r"(?:^|\s)password\s*=\s*")
 _QUERY_PASSWORD = re.compile(r"[?&]password=([^&]*)")
+
+
+def without_password(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (routing.without_passwords)."""
+    return without_passwords(url, url)
+
+
+def database_url_problem(url: object) -> str | None:
+    """Why ``url`` cannot name a PostgreSQL database (a sentence naming the expected
+    form), or None when it can. Checked before connecting, so that a typo reads as one
+    line, like a refused connection, rather than as the driver's traceback. Neither the
+    URL nor libpq's reason, which quotes the token it stopped at, shows the password.
+    Pure."""
+    if url == EMBEDDED:
+        return None
+    expected = "expected postgresql://USER@HOST:PORT/DBNAME (or key=value settings)"
+    if not isinstance(url, str) or not url.strip():
+        return f"{expected}, got {url!r}"
+    scheme, separator, _ = url.partition("://")
+    if separator and scheme.lower() not in ("postgresql", "postgres"):
+        return (
+            f"the database URL starts with {scheme}://, and skiplock needs PostgreSQL: {expected}"
+        )
+    try:
+        psycopg.conninfo.conninfo_to_dict(url)
+    except psycopg.ProgrammingError as exc:
+        reason = without_passwords(str(exc).strip(), url)
+        if reason.startswith('missing "="'):  # the driver took it for key=value settings
+            reason = "neither a URL nor key=value settings"
+        return f"the database URL {without_password(url)!r} is malformed ({reason}); {expected}"
+    return None
+
+
+def check_database_url(url: object, where: str) -> str:
+    """``url`` if it can name a PostgreSQL database, else a ConfigurationError saying
+    ``where`` it was given and why not, in one line (database_url_problem)."""
+    problem = database_url_problem(url)
+    if problem is not None:
+        raise ConfigurationError(f"{where}: {problem}")
+    assert isinstance(url, str)
+    return url
 
 
 def without_passwords(text: str, *urls: str | None) -> str:

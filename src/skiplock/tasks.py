@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeGuard, TypeVar
 
 from skiplock.errors import ConfigurationError, EnqueueError
 from skiplock.retry import RetryPolicy
+from skiplock.wording import with_article
 
 if TYPE_CHECKING:
     import psycopg
@@ -213,7 +214,8 @@ def _json_problem(value: object, path: str, large: list[float]) -> str | None:
             if problem:
                 return problem
         return None
-    return f"{path} is a {type(value).__name__}, which is not JSON (pass ids, not objects)"
+    kind = with_article(type(value).__name__)
+    return f"{path} is {kind}, which is not JSON (pass ids, not objects)"
 
 
 _ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))

@@ -314,7 +314,7 @@ def test_bulk_cancel_by_task_and_age(ops: Ops, run_cli: Cli) -> None:
     by_task = run_cli("jobs", "cancel", "--all", "--task", "t2", "--yes")
     by_age = run_cli("jobs", "cancel", "--all", "--older-than", "3600", "--yes")
 
-    assert by_task.out == by_age.out == "1 of 1 jobs cancelled\n"
+    assert by_task.out == by_age.out == "1 of 1 job cancelled\n"
     assert [in_history(ops, i) for i in jobs["dead_a_t2"] + jobs["old_b"]] == ["cancelled"] * 2
     assert states(ops, jobs["dead_a_t1"]) == ["dead", "dead"]
 

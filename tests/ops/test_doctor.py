@@ -62,6 +62,7 @@ def eventually(
 
 
 def test_a_healthy_schema_has_no_failure(ops: Ops) -> None:
+    ops.worker(last_seen=-5)
     found = findings(ops)
 
     checks = {f.check for f in found}
@@ -71,6 +72,7 @@ def test_a_healthy_schema_has_no_failure(ops: Ops) -> None:
         "oldest transaction",
         "notifications",
         "workers",
+        "dead jobs",
         "indexes",
         "history partitions",
         "transactional jobs",
@@ -80,7 +82,8 @@ def test_a_healthy_schema_has_no_failure(ops: Ops) -> None:
         assert failures == []
     else:
         assert failures == [SERVER_AUTOVACUUM_OFF]
-    for check in ("migrations", "workers", "indexes", "history partitions", "transactional jobs"):
+    clear = ("migrations", "workers", "dead jobs", "indexes", "history partitions")
+    for check in (*clear, "transactional jobs"):
         assert [f.level for f in of(found, check)] == ["ok"], of(found, check)
 
 
@@ -320,10 +323,42 @@ def test_stale_workers(ops: Ops) -> None:
     (found,) = of(findings(ops), "workers")
 
     assert found.level == "warn"
-    assert found.message.startswith("2 registered workers have not been seen for 120s")
+    assert found.message.startswith("2 registered workers of 3 not seen for 120s")
     assert [f.level for f in of(findings(ops, Limits(stale_worker_seconds=10_000)), "workers")] == [
         "ok"
     ]
+
+
+def test_no_worker_registered_is_a_warning_not_an_all_clear(ops: Ops) -> None:
+    (found,) = of(findings(ops), "workers")
+
+    assert (found.level, found.message, found.fix) == (
+        "warn",
+        "no worker is registered: nothing runs this schema's jobs",
+        "start one: skiplock worker MODULE:APP",
+    )
+    ops.worker(last_seen=-5)
+    (found,) = of(findings(ops), "workers")
+    assert (found.level, found.message) == ("ok", "1 registered worker, each seen in the last 120s")
+
+
+def test_dead_jobs_are_named_per_queue_with_the_commands_that_handle_them(ops: Ops) -> None:
+    assert [(f.level, f.message) for f in of(findings(ops), "dead jobs")] == [("ok", "none")]
+    ops.job(state="dead", queue="mail", attempts=3, attempted_at=-60)
+    ops.job(state="dead", queue="mail", attempts=3, attempted_at=-30)
+    ops.job(state="dead", queue="billing", attempts=3, attempted_at=-7200)
+    ops.job(state="retryable", queue="reports", attempts=1)
+
+    found = of(findings(ops), "dead jobs")
+
+    assert [f.level for f in found] == ["warn", "warn"]
+    billing, mail = found
+    assert billing.message == "queue billing has 1 dead job, the latest tried 7200s ago"
+    assert mail.message == "queue mail has 2 dead jobs, the latest tried 30s ago"
+    assert mail.fix == (
+        "read them: skiplock jobs list --state dead --queue mail; then "
+        "skiplock jobs retry --all --state dead --queue mail (or delete)"
+    )
 
 
 def test_an_invalid_index(ops: Ops) -> None:

@@ -375,7 +375,7 @@ def test_every_queue_and_threshold_is_reported_in_order() -> None:
     queues = [queue_row("a", dead=1, available=5), queue_row("b", dead=2)]
 
     assert alerts(queues, workers=0, max_dead=0, max_available=4, min_workers=1) == [
-        "queue a: 1 dead jobs (more than 0); see `skiplock jobs list --state dead --queue a`",
+        "queue a: 1 dead job (more than 0); see `skiplock jobs list --state dead --queue a`",
         "queue a: 5 jobs ready (more than 4)",
         "queue b: 2 dead jobs (more than 0); see `skiplock jobs list --state dead --queue b`",
         "0 workers registered (fewer than 1)",

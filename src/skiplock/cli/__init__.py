@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import psycopg
 
-from skiplock import routing
+from skiplock import __version__, routing
 from skiplock.cli import (
     bench,
     dashboard,
@@ -26,7 +28,7 @@ from skiplock.cli import (
     worker,
     workflows,
 )
-from skiplock.cli.parser import OneLineParser, UsageError
+from skiplock.cli.parser import OneLineParser, UsageError, subcommands
 from skiplock.config import DATABASE_URL_ENV, DEFAULT_SCHEMA, EMBEDDED, SCHEMA_ENV
 from skiplock.errors import SkiplockError
 from skiplock.replica import READ_URL_ENV
@@ -50,41 +52,63 @@ GROUPS = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="skiplock", description="A PostgreSQL job queue for Python.")
-    parser.add_argument(
+    parser.add_argument("--version", action="version", version=f"skiplock {__version__}")
+    add_global_options(parser)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for group in GROUPS:
+        group.add_parser(sub)
+    # Given after the command too (`skiplock status --schema x`): there a global option
+    # has no default, so that it overrides the one given before only when it is given.
+    pending = subcommands(parser)
+    while pending:
+        command = pending.pop()
+        add_global_options(command, default=argparse.SUPPRESS)
+        pending.extend(subcommands(command))
+    return parser
+
+
+def first_line(exc: BaseException) -> str:
+    """An error's message without the lines PostgreSQL adds (LINE 16: ..., a caret), which
+    break the one line an error gets here."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def add_global_options(parser: argparse.ArgumentParser, default: Any = None) -> None:
+    """The options every command takes, before it or after it."""
+    options: argparse.ArgumentParser | argparse._ArgumentGroup = parser
+    if default is argparse.SUPPRESS:  # a command's: listed apart in its --help
+        options = parser.add_argument_group("global options (also before the command)")
+    options.add_argument(
         "--database-url",
-        default=None,
+        default=default,
         help=f"PostgreSQL URL (default: ${DATABASE_URL_ENV}); {EMBEDDED!r} starts a throwaway "
         "local server (the embedded extra). demo and bench default to it",
     )
-    parser.add_argument(
+    options.add_argument(
         "--database-url-env",
-        default=None,
+        default=default,
         metavar="NAME",
         help="read --database-url from the environment variable NAME, which keeps a "
         "password off the command line (e.g. DATABASE_URL)",
     )
-    parser.add_argument(
+    options.add_argument(
         "--schema",
-        default=None,
+        default=default,
         help=f"schema holding skiplock's tables (default: ${SCHEMA_ENV}, else {DEFAULT_SCHEMA})",
     )
-    parser.add_argument(
-        "-v",
-        "--verbose",
-        action="count",
-        default=0,
-        help="-v: log each job's claim and completion too; -vv: debug",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    for group in GROUPS:
-        group.add_parser(sub)
-    parser.add_argument(
+    options.add_argument(
         "--read-url",
-        default=None,
+        default=default,
         help=f"status, jobs list/show and the dashboard read from this URL, a replica "
         f"(default: ${READ_URL_ENV}), and say how far behind it is",
     )
-    return parser
+    options.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0 if default is None else default,
+        help="-v: log each job's claim and completion too; -vv: debug",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -118,16 +142,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"skiplock: {exc}", file=sys.stderr)
         return 2
     except psycopg.OperationalError as exc:
-        reason = routing.without_passwords(str(exc).strip(), *masked.urls)
+        reason = routing.without_passwords(first_line(exc), *masked.urls)
         print(f"skiplock: cannot reach the database: {reason}", file=sys.stderr)
         return 2
     except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:
         print(
-            f"skiplock: the schema is not set up ({str(exc).strip()}); "
-            "run `skiplock migrate` first",
+            f"skiplock: the schema is not set up ({first_line(exc)}); run `skiplock migrate` first",
             file=sys.stderr,
         )
         return 2
+    except psycopg.Error as exc:
+        reason = routing.without_passwords(first_line(exc), *masked.urls)
+        print(f"skiplock: the database refused: {reason}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # The reader went away (`skiplock jobs show 37 | head`): what is left to print
+        # goes nowhere, as it would for cat, instead of ending in a traceback at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     finally:
         for handler in handlers:
             handler.removeFilter(masked)

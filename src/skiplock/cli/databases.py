@@ -14,7 +14,7 @@ import psycopg.conninfo
 import skiplock.app
 from skiplock import pooler, routing
 from skiplock.app import App
-from skiplock.config import DATABASE_URL_ENV, EMBEDDED
+from skiplock.config import DATABASE_URL_ENV
 from skiplock.errors import ConfigurationError
 from skiplock.replica import READ_URL_ENV, check_one_database, replica_state
 
@@ -62,35 +62,6 @@ def database_url_from_env(args: argparse.Namespace) -> None:
         raise ConfigurationError(f"--database-url-env {name}: ${name} is not set")
 
 
-def without_password(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (routing.without_passwords)."""
-    return routing.without_passwords(url, url)
-
-
-def database_url_problem(url: str) -> str | None:
-    """Why ``url`` cannot name a PostgreSQL database (a sentence naming the expected
-    form), or None when it can. Checked before connecting, so that a typo reads as one
-    line, like a refused connection, rather than as the driver's traceback. Neither the
-    URL nor libpq's reason, which quotes the token it stopped at, shows the password.
-    Pure."""
-    if url == EMBEDDED:
-        return None
-    expected = "expected postgresql://USER@HOST:PORT/DBNAME (or key=value settings)"
-    scheme, separator, _ = url.partition("://")
-    if separator and scheme.lower() not in ("postgresql", "postgres"):
-        return (
-            f"the database URL starts with {scheme}://, and skiplock needs PostgreSQL: {expected}"
-        )
-    try:
-        psycopg.conninfo.conninfo_to_dict(url)
-    except psycopg.ProgrammingError as exc:
-        reason = routing.without_passwords(str(exc).strip(), url)
-        if reason.startswith('missing "="'):  # the driver took it for key=value settings
-            reason = "neither a URL nor key=value settings"
-        return f"the database URL {without_password(url)!r} is malformed ({reason}); {expected}"
-    return None
-
-
 def given_urls(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(where it came from, URL) of every database URL this command was given."""
     given = [
@@ -108,6 +79,4 @@ def given_urls(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def check_database_urls(args: argparse.Namespace) -> None:
     for origin, url in given_urls(args):
-        problem = database_url_problem(url)
-        if problem:
-            raise ConfigurationError(f"{origin}: {problem}")
+        routing.check_database_url(url, origin)

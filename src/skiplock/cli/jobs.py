@@ -20,6 +20,7 @@ from skiplock.sql import render
 from skiplock.sql import steps as steps_sql
 from skiplock.sql import workflows as workflows_sql
 from skiplock.types import LIVE_STATES, Job
+from skiplock.wording import plural
 
 STATES = list(LIVE_STATES)
 
@@ -215,7 +216,9 @@ def run(args: argparse.Namespace) -> int:
                 print(
                     f"{job.id:>8}  {job.state!s:<10} {job.queue:<12} "
                     f"{job.attempts:>3}/{job.max_attempts:<4}  {job.task}"
-                    + (f"  [{job.last_error}]" if job.last_error else "")
+                    # One line a job: a message's own lines (PostgreSQL's LINE 1: ...)
+                    # would break the table.
+                    + (f"  [{job.last_error.splitlines()[0]}]" if job.last_error else "")
                     + (f"  (signal {job.wait_key!r})" if job.wait_key else "")
                 )
             return 0
@@ -265,16 +268,16 @@ def _jobs_change(args: argparse.Namespace, admin: Admin) -> int:
     if not args.yes:
         if not sys.stdin.isatty():
             raise ConfigurationError(
-                f"{len(ids)} jobs match; pass --yes to {command} them without a prompt"
+                f"{plural(len(ids), 'job')} match; pass --yes to {command} them without a prompt"
             )
-        answer = input(f"{command} {len(ids)} jobs? [y/N] ")
+        answer = input(f"{command} {plural(len(ids), 'job')}? [y/N] ")
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing changed")
             return 1
     change = {"retry": admin.retry_jobs, "cancel": admin.cancel_jobs, "delete": admin.delete_jobs}
     count = change[command](ids)
     print(
-        f"{count} of {len(ids)} jobs {done}"
+        f"{count} of {plural(len(ids), 'job')} {done}"
         + (" (the rest were running)" if count < len(ids) else "")
     )
     return 0

@@ -20,6 +20,7 @@ from skiplock.cli.databases import each_database
 from skiplock.command_line import count, seconds
 from skiplock.sql import render
 from skiplock.sql import signals as signal_sql
+from skiplock.wording import plural
 
 # The options that set an alert's threshold, named as status_alerts' keywords.
 THRESHOLDS = ("max_dead", "max_available", "max_ready_age", "min_workers")
@@ -67,12 +68,12 @@ def status_alerts(
         name = row["queue"]
         if max_dead is not None and row["dead"] > max_dead:
             alerts.append(
-                f"queue {name}: {row['dead']} dead jobs (more than {max_dead}); "
+                f"queue {name}: {plural(row['dead'], 'dead job')} (more than {max_dead}); "
                 f"see `skiplock jobs list --state dead --queue {name}`"
             )
         if max_available is not None and row["available"] > max_available:
             alerts.append(
-                f"queue {name}: {row['available']} jobs ready (more than {max_available})"
+                f"queue {name}: {plural(row['available'], 'job')} ready (more than {max_available})"
             )
         age = row["oldest_ready_seconds"]
         if max_ready_age is not None and age is not None and age > max_ready_age:
@@ -83,11 +84,6 @@ def status_alerts(
     if min_workers is not None and len(workers) < min_workers:
         alerts.append(f"{plural(len(workers), 'worker')} registered (fewer than {min_workers})")
     return alerts
-
-
-def plural(count: int, noun: str) -> str:
-    """``1 worker``, ``2 workers``, ``0 workers``."""
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def status_notes(queues: list[dict[str, Any]], workers: list[dict[str, Any]]) -> list[str]:

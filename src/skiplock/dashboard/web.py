@@ -50,6 +50,7 @@ from skiplock.sql import dashboard as dashboard_sql
 from skiplock.sql import render
 from skiplock.tasks import MAX_QUEUE_NAME, check_name, parse_rate
 from skiplock.types import WORKFLOW_STATES
+from skiplock.wording import plural
 
 log = logging.getLogger("skiplock.dashboard")
 T = TypeVar("T")
@@ -845,7 +846,7 @@ class Pages:
         return self.back(
             request,
             target,
-            f"{count} of {len(ids)} jobs{self.on_which(database)} {done}{capped}",
+            f"{count} of {plural(len(ids), 'job')}{self.on_which(database)} {done}{capped}",
             changed=True,
         )
 

@@ -94,7 +94,17 @@ ORDER BY r.queue
 """
 
 DOCTOR_STALE_WORKERS = """
-SELECT count(*) FROM {workers} WHERE last_seen_at < now() - %(stale)s * interval '1 second'
+SELECT count(*),
+       count(*) FILTER (WHERE last_seen_at < now() - %(stale)s * interval '1 second')
+FROM {workers}
+"""
+
+# Dead jobs wait in the jobs table for a human: a count per queue, and when the latest
+# of them was last tried.
+DOCTOR_DEAD_JOBS = """
+SELECT queue, count(*), extract(epoch FROM now() - max(attempted_at))::float8
+FROM {jobs} WHERE state = 'dead'
+GROUP BY queue ORDER BY queue
 """
 
 DOCTOR_INVALID_INDEXES = """

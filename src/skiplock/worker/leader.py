@@ -29,6 +29,7 @@ from skiplock.leadership import Leadership
 from skiplock.periodic import tick_due
 from skiplock.sql import maintenance, render, signals
 from skiplock.waiting import wait_event
+from skiplock.wording import plural
 from skiplock.worker.supervisor import PeriodicService, describe
 from skiplock.worker.timeouts import MAINTENANCE
 
@@ -175,7 +176,7 @@ class Rescue(LeaderService):
                 rescued += sum(int(row[1]) for row in await cur.fetchall())
         if rescued:
             self._on_rescued(rescued)
-            log.warning("rescued %d jobs of dead workers or expired leases", rescued)
+            log.warning("rescued %s of dead workers or expired leases", plural(rescued, "job"))
 
 
 class PeriodicTicks(PeriodicService):

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from skiplock.completer import fenced_batch
-from skiplock.config import done_channel, notify_channel
+from skiplock.config import notify_channel, results_notice
 from skiplock.sql import complete, maintenance, render
+from skiplock.wording import plural
 
 if TYPE_CHECKING:
     from skiplock.worker.assembly import Parts
@@ -147,9 +148,7 @@ async def _release(parts: Parts, jobs: dict[int, int]) -> None:
         released = sum(int(row[1]) for row in rows if row[0] is not None)
         cancelled = sum(int(row[1]) for row in rows if row[0] is None)
         if cancelled:
-            await conn.execute(
-                render(complete.JOBS_DONE_NOTIFY, schema), {"channel": done_channel(schema)}
-            )
-    log.warning("released %d unfinished jobs back to their queues", released)
+            await conn.execute(*results_notice(schema))
+    log.warning("released %s back to their queues", plural(released, "unfinished job"))
     if cancelled:
-        log.warning("ended %d unfinished jobs cancelled, as was asked", cancelled)
+        log.warning("ended %s cancelled, as was asked", plural(cancelled, "unfinished job"))

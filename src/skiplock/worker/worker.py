@@ -37,6 +37,7 @@ from skiplock.pooler import WorkerConnections
 from skiplock.retry import RetryPolicy
 from skiplock.sql import claim, maintenance, render
 from skiplock.waiting import wait_event
+from skiplock.wording import plural
 from skiplock.worker.assembly import Parts, TaskSplit
 from skiplock.worker.heartbeat import ClaimsInFlight
 from skiplock.worker.keepalives import with_keepalives
@@ -129,6 +130,7 @@ class Worker:
         self.parts: Parts | None = None
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._signals_handled = False
         self._abandon = asyncio.Event()
         # Sync handlers still running when shutdown gave up on them. Their threads cannot
         # be stopped, and Python waits for them at exit: the CLI exits hard instead.
@@ -172,7 +174,13 @@ class Worker:
                 assert self._stop is not None
                 await self._stop.wait()
                 log.info(
-                    "worker %s stopping: waiting for %d running jobs", self.id, parts.slots.busy
+                    "worker %s stopping: waiting up to %gs for %s to finish%s",
+                    self.id,
+                    self.options.shutdown_timeout,
+                    plural(parts.slots.busy, "running job"),
+                    "; a second Ctrl-C (or SIGTERM) gives them back at once"
+                    if self._signals_handled and parts.slots.busy
+                    else "",
                 )
             finally:
                 self.abandoned_threads += await shut_down(parts, abandon=self._abandon)
@@ -182,6 +190,7 @@ class Worker:
     def _prepare(self, handle_signals: bool) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        self._signals_handled = handle_signals
         if handle_signals:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(signum, self._on_signal, signum)
@@ -260,9 +269,21 @@ class Worker:
             except psycopg.OperationalError as exc:
                 failures += 1
                 delay = STARTUP_RETRY.delay(failures, self.rng)
-                log.error(
-                    "cannot reach the database (%s); retrying in %.1fs", str(exc).strip(), delay
-                )
+                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                if failures == 1:
+                    log.warning(
+                        "cannot reach the database (%s); retrying until it answers, at "
+                        "most %gs apart (Ctrl-C stops)",
+                        reason,
+                        STARTUP_RETRY.cap,
+                    )
+                else:
+                    log.warning(
+                        "still cannot reach the database after %d tries (%s); next in %.1fs",
+                        failures,
+                        reason,
+                        delay,
+                    )
                 assert self._stop is not None
                 await wait_event(self._stop, delay)
                 if self._stop.is_set():

@@ -23,6 +23,7 @@ from skiplock.contrib.django.backend import SkiplockBackend
 from skiplock.contrib.django.compat import DjangoTask, InvalidTask, task_backends
 from skiplock.contrib.django.worker import DjangoTasksApp
 from skiplock.tasks import JobSpec
+from skiplock.wording import with_article
 from skiplock.workflow import Workflow, WorkflowRef
 
 __all__ = ["enqueue_workflow", "step"]
@@ -37,8 +38,8 @@ def _backend(alias: str, what: str) -> SkiplockBackend:
     found = task_backends[alias]
     if not isinstance(found, SkiplockBackend):
         raise InvalidTask(
-            f"{what} runs on backend {alias!r}, a {type(found).__name__}; workflows need "
-            "skiplock.contrib.django.SkiplockBackend"
+            f"{what} runs on backend {alias!r}, {with_article(type(found).__name__)}; "
+            "workflows need skiplock.contrib.django.SkiplockBackend"
         )
     return found
 
