@@ -35,7 +35,11 @@ def shop_database() -> Iterator[str]:
 
 
 def manage(database_url: str, *command: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("DJANGO_SETTINGS_MODULE", "SKIPLOCK_SCHEMA")
+    }
     env["DATABASE_URL"] = database_url
     done = subprocess.run(
         [sys.executable, "manage.py", *command],
@@ -65,4 +69,22 @@ def test_the_shop_demo(shop_database: str) -> None:
     assert "return_value: {'to': 'bob@example.com', 'order': 2}" in transcript
     with psycopg.connect(shop_database) as conn:
         sent = conn.execute("SELECT receipt_sent_at IS NOT NULL FROM orders_order").fetchall()
+        schemas = conn.execute(
+            "SELECT nspname FROM pg_namespace WHERE nspname IN ('skiplock', 'django_shop')"
+        ).fetchall()
     assert sent == [(True,)]
+    assert schemas == [("django_shop",)]  # its own, apart from the tutorial's and others'
+
+
+def test_an_order_that_was_never_placed_is_a_404(shop_database: str) -> None:
+    manage(shop_database, "migrate")
+    # The view over HTTP, through Django's test client (its Host one the settings allow).
+    probe = (
+        "from django.test import Client; c = Client(HTTP_HOST='localhost'); "
+        "r = c.get('/orders/999'); print(r.status_code, r.content.decode())"
+    )
+
+    said = manage(shop_database, "shell", "-c", probe)
+
+    # (Django 5.2's shell may first say what it imported.)
+    assert said.strip().splitlines()[-1] == '404 {"error": "no order 999"}'

@@ -26,7 +26,9 @@ def create_order(request: HttpRequest) -> JsonResponse:
 
 @require_GET
 def order_status(request: HttpRequest, order_id: int) -> JsonResponse:
-    order = Order.objects.get(id=order_id)
+    order = Order.objects.filter(id=order_id).first()
+    if order is None:  # never placed, or its transaction rolled back
+        return JsonResponse({"error": f"no order {order_id}"}, status=404)
     receipt = send_receipt.get_result(order.receipt_task_id)
     return JsonResponse(
         {

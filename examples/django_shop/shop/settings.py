@@ -44,7 +44,12 @@ TASKS = {
     "default": {
         "BACKEND": "skiplock.contrib.django.SkiplockBackend",
         "QUEUES": ["default", "emails"],
-        "OPTIONS": {"DATABASE": "default"},
+        # A schema of its own: the tutorial's and the other examples' jobs, on the same
+        # server, are never this worker's.
+        "OPTIONS": {
+            "DATABASE": "default",
+            "SCHEMA": os.environ.get("SKIPLOCK_SCHEMA", "django_shop"),
+        },
     }
 }
 

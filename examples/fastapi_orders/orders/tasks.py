@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import skiplock
 
-app = skiplock.App()  # the database is SKIPLOCK_DATABASE_URL
+# The database is SKIPLOCK_DATABASE_URL; the schema one of its own (SKIPLOCK_SCHEMA
+# overrides it), so that the tutorial's and the other examples' jobs on the same server
+# are never this worker's.
+app = skiplock.App(schema=os.environ.get("SKIPLOCK_SCHEMA") or "fastapi_orders")
 
 
 @app.task(queue="orders", max_attempts=5)
