@@ -382,8 +382,31 @@ def test_retry_cancel_and_delete_one_job(
 
 def test_an_action_that_cannot_apply_says_why(app: skiplock.App, web: TestClient) -> None:
     done = add_history(app)
-    response = post(web, f"/jobs/{done}/retry")
+    response = post(web, f"/jobs/{done}/cancel")
     assert "has finished (completed) and is in history" in response.text
+
+
+def test_a_finished_job_offers_run_again_and_runs_a_copy(
+    app: skiplock.App, web: TestClient
+) -> None:
+    done = add_history(app, task="shop.send", args={"order_id": 7})
+    page = web.get(f"/jobs/{done}").text
+    assert 'id="replay">Run again</button>' in page
+    assert 'id="retry"' not in page
+
+    response = post(web, f"/jobs/{done}/retry", next=f"/jobs/{done}")
+
+    found = re.search(rf"job {done} enqueued again as job (\d+)", response.text)
+    assert found is not None, response.text
+    copy = int(found[1])
+    with app.connect() as conn:
+        replayed = client.get_job(conn, app.schema, copy)
+    assert (replayed.state, replayed.task, replayed.args) == (
+        "available",
+        "shop.send",
+        {"order_id": 7},
+    )
+    assert job_state(app, done) == "completed"  # history keeps the original as it ended
 
 
 def test_cancel_asks_the_worker_of_a_running_job(

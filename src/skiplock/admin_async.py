@@ -108,16 +108,19 @@ class AsyncAdmin:
         older_than: float | None = None,
     ) -> list[int]:
         """The ids of every live job matching the filters: what to pass to retry_jobs,
-        cancel_jobs or delete_jobs to act on all of them."""
+        cancel_jobs or delete_jobs to act on all of them. With ``state`` "completed" or
+        "cancelled", those of the finished jobs in history: retry_jobs runs them again."""
         async with self._conn() as conn:
             return await client.select_job_ids_async(
                 conn, self.schema, state=state, queue=queue, task=task, older_than=older_than
             )
 
-    async def retry_job(self, job_id: int) -> None:
-        """Send a dead or waiting job back to its queue with fresh attempts, to run now."""
+    async def retry_job(self, job_id: int) -> int:
+        """Send a dead or waiting job back to its queue with fresh attempts, to run now;
+        a completed or cancelled one (in history) is enqueued again as a copy that names
+        it (``meta["replay_of"]``). Returns the id of the job that runs."""
         async with self._change() as conn:
-            await client.retry_job_async(conn, self.schema, job_id)
+            return await client.retry_job_async(conn, self.schema, job_id)
 
     async def cancel_job(self, job_id: int) -> None:
         """Cancel a job: a waiting or dead one moves to history as cancelled; a running

@@ -208,9 +208,7 @@ def test_a_cancelled_job_whose_worker_died_is_not_run_again(
     assert (in_history(ops, job_id), runs) == ("cancelled", [])
 
 
-@pytest.mark.parametrize(
-    ("command", "verb"), [("retry", "retried"), ("cancel", "cancelled"), ("delete", "deleted")]
-)
+@pytest.mark.parametrize(("command", "verb"), [("cancel", "cancelled"), ("delete", "deleted")])
 def test_finished_jobs_are_not_in_the_hot_table(
     ops: Ops, run_cli: Cli, command: str, verb: str
 ) -> None:

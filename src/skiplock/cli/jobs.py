@@ -19,6 +19,7 @@ from skiplock.errors import ConfigurationError
 from skiplock.sql import render
 from skiplock.sql import steps as steps_sql
 from skiplock.sql import workflows as workflows_sql
+from skiplock.sql.admin import REPLAYABLE_STATES
 from skiplock.types import LIVE_STATES, Job
 from skiplock.wording import plural
 
@@ -36,20 +37,25 @@ def add_parser(sub: Any) -> None:
     q.add_argument("id", type=JOB_ID)
     q.add_argument("--json", action="store_true", help="print the job as one JSON object")
     for name, text in (
-        ("retry", "send dead or waiting jobs back to their queue with fresh attempts"),
+        (
+            "retry",
+            "send dead or waiting jobs back to their queue with fresh attempts; enqueue "
+            "completed or cancelled ones again, as copies that name them",
+        ),
         ("cancel", "cancel jobs that are not running (they move to history)"),
         ("delete", "delete jobs that are not running, leaving no history"),
     ):
         q = jobs.add_parser(name, help=text)
         q.add_argument("id", type=JOB_ID, nargs="?", help="one job; or use --all with filters")
         q.add_argument("--all", action="store_true", help="every job matching the filters")
-        _add_filters(q)
+        # Retry also runs finished jobs again: --state completed or cancelled picks those.
+        _add_filters(q, STATES + list(REPLAYABLE_STATES) if name == "retry" else STATES)
         q.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     p.set_defaults(func=run)
 
 
-def _add_filters(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--state", choices=STATES)
+def _add_filters(parser: argparse.ArgumentParser, states: list[str] = STATES) -> None:
+    parser.add_argument("--state", choices=states)
     parser.add_argument("--queue")
     parser.add_argument("--task")
     parser.add_argument("--older-than", type=seconds(), metavar="SECONDS", help="by creation time")
@@ -239,6 +245,11 @@ def run(args: argparse.Namespace) -> int:
 _DONE = {"retry": "made available again", "cancel": "cancelled", "delete": "deleted"}
 
 
+def _replayed(admin: Admin, original: int, copy: int) -> str:
+    state = admin.get_job(original).state
+    return f"job {original} ({state}) enqueued again as job {copy}"
+
+
 def _jobs_change(args: argparse.Namespace, admin: Admin) -> int:
     """retry / cancel / delete: one job by id, or every job matching filters (--all),
     after a confirmation unless --yes. Running jobs are never retried or deleted; a
@@ -251,9 +262,11 @@ def _jobs_change(args: argparse.Namespace, admin: Admin) -> int:
             admin.cancel_job(args.id)
             print(f"job {args.id} is running: its worker was asked to stop it (it ends cancelled)")
             return 0
-        {"retry": admin.retry_job, "cancel": admin.cancel_job, "delete": admin.delete_job}[command](
-            args.id
-        )
+        if command == "retry":
+            runs = admin.retry_job(args.id)
+            print(f"job {args.id} {done}" if runs == args.id else _replayed(admin, args.id, runs))
+            return 0
+        {"cancel": admin.cancel_job, "delete": admin.delete_job}[command](args.id)
         print(f"job {args.id} {done}")
         return 0
     if not args.all:
@@ -261,7 +274,7 @@ def _jobs_change(args: argparse.Namespace, admin: Admin) -> int:
             f"`jobs {command}` needs a job id, or --all with filters "
             "(--state, --queue, --task, --older-than)"
         )
-    ids = admin.job_ids(**_filters(args))
+    ids = admin.job_ids(**_filters(args))  # --state completed: finished ones, in history
     if not ids:
         print("no jobs match")
         return 0
@@ -276,6 +289,8 @@ def _jobs_change(args: argparse.Namespace, admin: Admin) -> int:
             return 1
     change = {"retry": admin.retry_jobs, "cancel": admin.cancel_jobs, "delete": admin.delete_jobs}
     count = change[command](ids)
+    if args.state in REPLAYABLE_STATES:
+        done = "enqueued again (copies; history keeps the originals)"
     print(
         f"{count} of {plural(len(ids), 'job')} {done}"
         + (" (the rest were running)" if count < len(ids) else "")

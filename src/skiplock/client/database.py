@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar, Unpack
 
@@ -213,18 +214,35 @@ def list_jobs(
 
 
 def select_job_ids(conn: Conn, schema: str, **filters: Unpack[params.JobFilters]) -> list[int]:
-    """Ids of the live jobs a bulk retry, cancel or delete would act on."""
-    cur = conn.execute(render(admin.JOB_SELECT_IDS, schema), params.filter_params(filters))
+    """Ids of the live jobs a bulk retry, cancel or delete would act on; with a state of
+    history that can be replayed (REPLAYABLE_STATES), those finished jobs' ids."""
+    finished = filters.get("state") in admin.REPLAYABLE_STATES
+    statement = admin.JOB_SELECT_REPLAYABLE_IDS if finished else admin.JOB_SELECT_IDS
+    cur = conn.execute(render(statement, schema), params.filter_params(filters))
     return [int(r[0]) for r in cur.fetchall()]
 
 
 def retry_jobs(conn: Conn, schema: str, ids: Sequence[int]) -> int:
-    """Send dead (or waiting) jobs back to their queues with fresh attempts; running jobs
-    are left alone. Returns how many moved."""
+    """Send dead (or waiting) jobs back to their queues with fresh attempts, and enqueue
+    completed or cancelled ones again (replay_jobs); running jobs are left alone. Returns
+    how many moved or were enqueued again."""
     cur = conn.execute(
         render(admin.JOB_RETRY, schema), {"ids": list(ids), "channel": notify_channel(schema)}
     )
-    return sum(int(r[1]) for r in cur.fetchall())
+    moved = sum(int(r[1]) for r in cur.fetchall())
+    return moved + len(replay_jobs(conn, schema, ids))
+
+
+def replay_jobs(conn: Conn, schema: str, ids: Sequence[int]) -> dict[int, int]:
+    """Enqueue again, each as a new job, the completed or cancelled jobs of ``ids`` in
+    history (JOB_REPLAYABLE); returns {original id: the copy's id}. Other ids are left."""
+    cur = conn.execute(render(admin.JOB_REPLAYABLE, schema), {"ids": list(ids)})
+    copies: dict[int, int] = {}
+    for job_id, queue, task, args, priority, max_attempts, key in cur.fetchall():
+        spec = JobSpec(task, args, queue, priority, max_attempts, ordering_key=key)
+        meta = json.dumps({"replay_of": job_id})
+        copies[job_id], _ = insert_job(conn, schema, spec, meta=meta)
+    return copies
 
 
 def cancel_jobs(conn: Conn, schema: str, ids: Sequence[int]) -> int:
@@ -256,10 +274,19 @@ def _one(done: int, conn: Conn, schema: str, job_id: int, verb: str) -> None:
         raise params.not_changed(job, verb)
 
 
-def retry_job(conn: Conn, schema: str, job_id: int) -> None:
-    """Retry one job (retry_jobs); JobNotFoundError says why when it cannot be."""
-    done = retry_jobs(conn, schema, [job_id])
-    _one(done, conn, schema, job_id, "be retried")
+def retry_job(conn: Conn, schema: str, job_id: int) -> int:
+    """Retry one job (retry_jobs): the id of the job that runs, ``job_id`` itself or, for a
+    finished one, its copy. JobNotFoundError says why when it cannot be."""
+    cur = conn.execute(
+        render(admin.JOB_RETRY, schema), {"ids": [job_id], "channel": notify_channel(schema)}
+    )
+    if sum(int(r[1]) for r in cur.fetchall()):
+        return job_id
+    copies = replay_jobs(conn, schema, [job_id])
+    if job_id in copies:
+        return copies[job_id]
+    _one(0, conn, schema, job_id, "be retried")
+    raise AssertionError("unreachable: _one_async raises when nothing changed")
 
 
 def cancel_job(conn: Conn, schema: str, job_id: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar, Unpack
 
@@ -215,18 +216,35 @@ async def list_jobs_async(
 async def select_job_ids_async(
     conn: AsyncConn, schema: str, **filters: Unpack[params.JobFilters]
 ) -> list[int]:
-    """Ids of the live jobs a bulk retry, cancel or delete would act on."""
-    cur = await conn.execute(render(admin.JOB_SELECT_IDS, schema), params.filter_params(filters))
+    """Ids of the live jobs a bulk retry, cancel or delete would act on; with a state of
+    history that can be replayed (REPLAYABLE_STATES), those finished jobs' ids."""
+    finished = filters.get("state") in admin.REPLAYABLE_STATES
+    statement = admin.JOB_SELECT_REPLAYABLE_IDS if finished else admin.JOB_SELECT_IDS
+    cur = await conn.execute(render(statement, schema), params.filter_params(filters))
     return [int(r[0]) for r in await cur.fetchall()]
 
 
 async def retry_jobs_async(conn: AsyncConn, schema: str, ids: Sequence[int]) -> int:
-    """Send dead (or waiting) jobs back to their queues with fresh attempts; running jobs
-    are left alone. Returns how many moved."""
+    """Send dead (or waiting) jobs back to their queues with fresh attempts, and enqueue
+    completed or cancelled ones again (replay_jobs); running jobs are left alone. Returns
+    how many moved or were enqueued again."""
     cur = await conn.execute(
         render(admin.JOB_RETRY, schema), {"ids": list(ids), "channel": notify_channel(schema)}
     )
-    return sum(int(r[1]) for r in await cur.fetchall())
+    moved = sum(int(r[1]) for r in await cur.fetchall())
+    return moved + len(await replay_jobs_async(conn, schema, ids))
+
+
+async def replay_jobs_async(conn: AsyncConn, schema: str, ids: Sequence[int]) -> dict[int, int]:
+    """Enqueue again, each as a new job, the completed or cancelled jobs of ``ids`` in
+    history (JOB_REPLAYABLE); returns {original id: the copy's id}. Other ids are left."""
+    cur = await conn.execute(render(admin.JOB_REPLAYABLE, schema), {"ids": list(ids)})
+    copies: dict[int, int] = {}
+    for job_id, queue, task, args, priority, max_attempts, key in await cur.fetchall():
+        spec = JobSpec(task, args, queue, priority, max_attempts, ordering_key=key)
+        meta = json.dumps({"replay_of": job_id})
+        copies[job_id], _ = await insert_job_async(conn, schema, spec, meta=meta)
+    return copies
 
 
 async def cancel_jobs_async(conn: AsyncConn, schema: str, ids: Sequence[int]) -> int:
@@ -258,10 +276,19 @@ async def _one_async(done: int, conn: AsyncConn, schema: str, job_id: int, verb:
         raise params.not_changed(job, verb)
 
 
-async def retry_job_async(conn: AsyncConn, schema: str, job_id: int) -> None:
-    """Retry one job (retry_jobs); JobNotFoundError says why when it cannot be."""
-    done = await retry_jobs_async(conn, schema, [job_id])
-    await _one_async(done, conn, schema, job_id, "be retried")
+async def retry_job_async(conn: AsyncConn, schema: str, job_id: int) -> int:
+    """Retry one job (retry_jobs): the id of the job that runs, ``job_id`` itself or, for a
+    finished one, its copy. JobNotFoundError says why when it cannot be."""
+    cur = await conn.execute(
+        render(admin.JOB_RETRY, schema), {"ids": [job_id], "channel": notify_channel(schema)}
+    )
+    if sum(int(r[1]) for r in await cur.fetchall()):
+        return job_id
+    copies = await replay_jobs_async(conn, schema, [job_id])
+    if job_id in copies:
+        return copies[job_id]
+    await _one_async(0, conn, schema, job_id, "be retried")
+    raise AssertionError("unreachable: _one_async raises when nothing changed")
 
 
 async def cancel_job_async(conn: AsyncConn, schema: str, job_id: int) -> None:

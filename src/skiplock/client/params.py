@@ -268,8 +268,9 @@ def not_changed(job: Job, verb: str) -> JobNotFoundError:
     """Why an admin change of one job touched no row: it has finished (and is in
     history), or it is running."""
     if job.finished_at is not None:
+        again = " (retry runs a completed or cancelled one again)" if verb == "be retried" else ""
         return JobNotFoundError(
-            f"job {job.id} has finished ({job.state}) and is in history; it cannot {verb}"
+            f"job {job.id} has finished ({job.state}) and is in history; it cannot {verb}{again}"
         )
     return JobNotFoundError(f"job {job.id} is {job.state}; only jobs not running can {verb}")
 

@@ -781,8 +781,10 @@ class Pages:
         database = self.database(request)
         single = _SINGLE[action]
 
+        runs: list[object] = []  # what the action returned: retry_job, the job that runs
+
         def work(conn: psycopg.Connection[Any]) -> None:
-            single(dashboard.admin(database, conn), job_id)
+            runs.append(single(dashboard.admin(database, conn), job_id))
 
         target = _first(fields, "next")
         try:
@@ -796,9 +798,10 @@ class Pages:
             job_id,
             self.on_which(database),
         )
-        return self.back(
-            request, target, f"job {job_id}{self.on_which(database)}: {action} done", changed=True
-        )
+        notice = f"job {job_id}{self.on_which(database)}: {action} done"
+        if action == "retry" and runs and runs[0] != job_id:  # a finished job, run again
+            notice = f"job {job_id}{self.on_which(database)} enqueued again as job {runs[0]}"
+        return self.back(request, target, notice, changed=True)
 
     async def jobs_bulk(self, request: Request) -> Response:
         dashboard = self.dashboard

@@ -120,6 +120,30 @@ SELECT id FROM {jobs}"""
 """
 )
 
+# The states of history a job can be run again from (replayed): it ended as asked.
+REPLAYABLE_STATES = ("completed", "cancelled")
+
+# A finished job run again by hand (`jobs retry` on a completed or cancelled job): history
+# keeps the original as it ended; the copy is a new job, enqueued as any other (its key's
+# line joined, its queue woken), whose meta names the original (replay_of). A unique key
+# is not copied: the replay is asked for by name, and runs even if a live job holds it.
+JOB_REPLAYABLE = """
+SELECT id, queue, task, args::text, priority, max_attempts, ordering_key
+FROM {history}
+WHERE id = ANY(%(ids)s::bigint[]) AND state IN ('completed', 'cancelled')
+ORDER BY id
+"""
+
+# The finished jobs a replay by filter runs again (a state of REPLAYABLE_STATES given).
+JOB_SELECT_REPLAYABLE_IDS = (
+    """
+SELECT id FROM {history}"""
+    + _JOB_FILTERS
+    + """  AND state IN ('completed', 'cancelled')
+ORDER BY id
+"""
+)
+
 # Pausing is checked inside the claim statement, so it takes effect for the next claim.
 # Resuming wakes the queue's workers in the usual payload format.
 QUEUE_SET_PAUSED = """
