@@ -354,6 +354,36 @@ def test_cron_page_shows_schedules_with_next_fire(app: skiplock.App) -> None:
     assert "gone.task" in html, "a schedule the App no longer defines still shows its last tick"
 
 
+def test_cron_page_without_the_app_shows_and_steers_what_workers_described(
+    app: skiplock.App, web: TestClient
+) -> None:
+    with app.connect() as conn:
+        conn.execute(
+            f"INSERT INTO {SCHEMA}.periodic (name, last_tick, expression, task, queue, "
+            "priority, max_attempts, args, missed, next_tick) VALUES ('reports.nightly', "
+            "now(), '0 3 * * *', 'reports.nightly', 'reports', 0, 3, '{\"full\": true}', "
+            "'latest', now() + interval '1 hour')"
+        )
+        conn.commit()
+
+    html = web.get("/cron").text
+    row = re.search(r'<tr data-schedule="reports.nightly">(.*?)</tr>', html, re.S)
+    assert row, html
+    assert "<code>0 3 * * *</code>" in row[1] and ">active<" in row[1]
+    assert "no description yet" not in html
+
+    post(web, "/cron/reports.nightly/pause", next="/cron")
+    assert ">paused<" in web.get("/cron").text
+    response = post(web, "/cron/reports.nightly/run-now", next="/cron")
+    found = re.search(r"schedule reports.nightly: job (\d+) enqueued now", response.text)
+    assert found is not None, response.text
+    with app.connect() as conn:
+        job = client.get_job(conn, app.schema, int(found[1]))
+    assert (job.task, job.queue, job.args) == ("reports.nightly", "reports", {"full": True})
+    refused = post(web, "/cron/gone/pause").text
+    assert "no cron schedule" in refused and "gone" in refused
+
+
 # -- actions -----------------------------------------------------------------------------
 
 

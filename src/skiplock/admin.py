@@ -212,6 +212,29 @@ class Admin:
         with self._conn() as conn:
             return client.queue_stats(conn, self.schema)
 
+    # -- cron schedules --------------------------------------------------------------
+
+    def schedules(self) -> list[dict[str, Any]]:
+        """Every cron schedule a worker has ticked, as it described it: name, expression,
+        task, queue, priority, max_attempts, args, missed, last_tick, next_tick, paused."""
+        with self._conn() as conn:
+            return client.list_schedules(conn, self.schema)
+
+    def pause_schedule(self, name: str) -> None:
+        """Pause a cron schedule: its ticks pass without jobs (none are owed on resume)."""
+        with self._change() as conn:
+            client.set_schedule_paused(conn, self.schema, name, paused=True)
+
+    def resume_schedule(self, name: str) -> None:
+        """Let a paused cron schedule enqueue its ticks again, from its next one."""
+        with self._change() as conn:
+            client.set_schedule_paused(conn, self.schema, name, paused=False)
+
+    def run_schedule_now(self, name: str) -> int:
+        """Enqueue a cron schedule's job now, paused or not; returns its id."""
+        with self._change() as conn:
+            return client.run_schedule_now(conn, self.schema, name)
+
     def workers(self) -> list[dict[str, Any]]:
         """The registered workers: host, pid, queues, concurrency, when last seen, and
         which one leads."""

@@ -212,6 +212,29 @@ class AsyncAdmin:
         async with self._conn() as conn:
             return await client.queue_stats_async(conn, self.schema)
 
+    # -- cron schedules --------------------------------------------------------------
+
+    async def schedules(self) -> list[dict[str, Any]]:
+        """Every cron schedule a worker has ticked, as it described it: name, expression,
+        task, queue, priority, max_attempts, args, missed, last_tick, next_tick, paused."""
+        async with self._conn() as conn:
+            return await client.list_schedules_async(conn, self.schema)
+
+    async def pause_schedule(self, name: str) -> None:
+        """Pause a cron schedule: its ticks pass without jobs (none are owed on resume)."""
+        async with self._change() as conn:
+            await client.set_schedule_paused_async(conn, self.schema, name, paused=True)
+
+    async def resume_schedule(self, name: str) -> None:
+        """Let a paused cron schedule enqueue its ticks again, from its next one."""
+        async with self._change() as conn:
+            await client.set_schedule_paused_async(conn, self.schema, name, paused=False)
+
+    async def run_schedule_now(self, name: str) -> int:
+        """Enqueue a cron schedule's job now, paused or not; returns its id."""
+        async with self._change() as conn:
+            return await client.run_schedule_now_async(conn, self.schema, name)
+
     async def workers(self) -> list[dict[str, Any]]:
         """The registered workers: host, pid, queues, concurrency, when last seen, and
         which one leads."""

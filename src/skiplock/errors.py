@@ -29,6 +29,10 @@ class JobNotFoundError(SkiplockError, LookupError):
     """No live job has that id (it may have finished and moved to history)."""
 
 
+class ScheduleNotFoundError(SkiplockError, LookupError):
+    """No cron schedule of that name has been ticked by a worker (skiplock cron list)."""
+
+
 class JobFailedError(SkiplockError):
     """A job whose result was awaited ended dead or cancelled instead of completed."""
 

@@ -90,10 +90,12 @@ TABLES: dict[str, dict[Use, tuple[str, ...]]] = {
         Use.ENQUEUE: (),
         Use.ADMIN: ("SELECT", "INSERT", "UPDATE"),
     },
+    # The operator pauses and resumes schedules (skiplock cron, migration 0030); run-now
+    # enqueues into jobs.
     "periodic": {
         Use.WORKER: ("SELECT", "INSERT", "UPDATE"),
         Use.ENQUEUE: (),
-        Use.ADMIN: ("SELECT",),
+        Use.ADMIN: ("SELECT", "UPDATE"),
     },
     # A windowed unique enqueue takes, re-takes and gives back its key; maintenance
     # deletes expired windows (worker and `skiplock prune`).

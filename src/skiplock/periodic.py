@@ -9,6 +9,7 @@ that inserts the tick's job.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from datetime import datetime
@@ -83,40 +84,106 @@ async def tick_due(
         {"names": [entry.name for entry in entries] or [""]},
     )
     rows = await cur.fetchall()
-    last_ticks: dict[str, datetime | None] = {str(row[0]): row[1] for row in rows}
+    stored = {str(row[0]): row for row in rows}
     if now is None:
         now = rows[0][2]
     assert now is not None
     enqueued = 0
     for entry in entries:
-        last = last_ticks.get(entry.name)
+        row = stored.get(entry.name)
+        last, paused = (row[1], bool(row[3])) if row is not None else (None, False)
         ticks, new_last = due_ticks(entry.schedule, last, now, entry.missed)
+        described = _description(entry, _next_tick(entry, max(now, new_last or now)))
+        params = {"name": entry.name, **described}
         if last is None:
-            await conn.execute(
-                render(periodic_sql.PERIODIC_START, schema), {"name": entry.name, "tick": now}
-            )
+            await conn.execute(render(periodic_sql.PERIODIC_START, schema), {**params, "tick": now})
             continue
         if new_last == last:
+            if row is not None and _stored_description(row) != _comparable(described):
+                await conn.execute(render(periodic_sql.PERIODIC_DESCRIBE, schema), params)
             continue
-        try:
-            async with conn.transaction():
-                cur = await conn.execute(
-                    render(periodic_sql.PERIODIC_ADVANCE, schema),
-                    {"name": entry.name, "tick": new_last, "expected": last},
-                )
-                if await cur.fetchone() is None:
-                    continue  # another worker took these ticks
-                call = entry.task.with_options()
-                added = 0
-                for tick in ticks:
-                    spec = call.with_options(run_at=tick).job(**entry.args)
-                    await client.insert_job_async(conn, schema, spec)
-                    added += 1
-            enqueued += added
-        except psycopg.errors.LockNotAvailable:
-            # A transaction holds a key or row this schedule's job needs (the worker's
-            # maintenance connections bound lock waits): its ticks wait for the next
-            # pass, rolled back with the advance; the other schedules go on.
-            log.warning("periodic %s: a lock it needs is held; its ticks wait", entry.name)
+        assert new_last is not None
+        enqueued += await _advance(conn, schema, entry, params, ticks, new_last, last, paused)
     next_tick = min((entry.schedule.next_after(now) for entry in entries), default=None)
     return CronPass(enqueued, now, next_tick)
+
+
+async def _advance(
+    conn: psycopg.AsyncConnection[Any],
+    schema: str,
+    entry: Periodic,
+    params: dict[str, Any],
+    ticks: list[datetime],
+    new_last: datetime,
+    last: datetime,
+    paused: bool,
+) -> int:
+    """Move ``entry``'s last tick from ``last`` to ``new_last`` and enqueue ``ticks``'
+    jobs, in one transaction; returns how many. Another worker that moved it first wins.
+    A paused schedule moves on without jobs: its ticks are skipped, not owed."""
+    try:
+        async with conn.transaction():
+            cur = await conn.execute(
+                render(periodic_sql.PERIODIC_ADVANCE, schema),
+                {**params, "tick": new_last, "expected": last},
+            )
+            if await cur.fetchone() is None:
+                return 0  # another worker took these ticks
+            if paused:
+                log.info("periodic %s is paused: %d tick(s) skipped", entry.name, len(ticks))
+                return 0
+            call = entry.task.with_options()
+            for tick in ticks:
+                spec = call.with_options(run_at=tick).job(**entry.args)
+                await client.insert_job_async(conn, schema, spec)
+            return len(ticks)
+    except psycopg.errors.LockNotAvailable:
+        # A transaction holds a key or row this schedule's job needs (the worker's
+        # maintenance connections bound lock waits): its ticks wait for the next pass,
+        # rolled back with the advance; the other schedules go on.
+        log.warning("periodic %s: a lock it needs is held; its ticks wait", entry.name)
+        return 0
+
+
+def _next_tick(entry: Periodic, after: datetime) -> datetime | None:
+    """The schedule's first tick after ``after``; None past what datetime holds (a last
+    tick written by hand in year 9999)."""
+    try:
+        return entry.schedule.next_after(after)
+    except (OverflowError, ValueError):
+        return None
+
+
+def _description(entry: Periodic, next_tick: datetime | None) -> dict[str, Any]:
+    """What PERIODIC_START, _ADVANCE and _DESCRIBE write of ``entry`` (migration 0030)."""
+    spec = entry.task.with_options().job(**entry.args)
+    return {
+        "expression": entry.schedule.expression,
+        "task": spec.task,
+        "queue": spec.queue,
+        "priority": spec.priority,
+        "max_attempts": spec.max_attempts,
+        "args": spec.args_json,
+        "missed": entry.missed,
+        "next_tick": next_tick,
+    }
+
+
+def _comparable(described: dict[str, Any]) -> dict[str, Any]:
+    """A description with its arguments parsed: jsonb orders keys its own way."""
+    return {**described, "args": json.loads(described["args"])}
+
+
+def _stored_description(row: Any) -> dict[str, Any]:
+    """The description as PERIODIC_GET_MANY read it, as _comparable gives it."""
+    expression, task, queue, priority, max_attempts, args, missed, next_tick = row[4:12]
+    return {
+        "expression": expression,
+        "task": task,
+        "queue": queue,
+        "priority": priority,
+        "max_attempts": max_attempts,
+        "args": args,
+        "missed": missed,
+        "next_tick": next_tick,
+    }

@@ -15,6 +15,7 @@ import psycopg
 from skiplock import __version__, routing
 from skiplock.cli import (
     bench,
+    cron,
     dashboard,
     databases,
     embedded,
@@ -41,6 +42,7 @@ GROUPS = (
     workflows,
     signals,
     queues,
+    cron,
     maintenance,
     embedded,
     bench,

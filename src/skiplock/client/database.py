@@ -23,7 +23,7 @@ from psycopg.rows import dict_row
 from skiplock.client import params
 from skiplock.config import control_channel, notify_channel, results_notice
 from skiplock.errors import JobNotFoundError
-from skiplock.sql import admin, enqueue, render, replica, signals
+from skiplock.sql import admin, enqueue, periodic, render, replica, signals
 from skiplock.tasks import JobSpec
 from skiplock.types import Job
 
@@ -360,3 +360,34 @@ def list_workers(conn: Conn, schema: str) -> list[dict[str, Any]]:
     with conn.cursor(row_factory=dict_row) as cur:
         cur.execute(render(statement, schema))
         return cur.fetchall()
+
+
+# -- cron schedules (as the workers that tick them describe them; migration 0030) -----
+
+
+def list_schedules(conn: Conn, schema: str) -> list[dict[str, Any]]:
+    """Every schedule a worker has ticked: its expression, the job it enqueues, its last
+    and next tick, whether it is paused."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(render(periodic.PERIODIC_LIST, schema))
+        return cur.fetchall()
+
+
+def set_schedule_paused(conn: Conn, schema: str, name: str, *, paused: bool) -> None:
+    """Pause a schedule (its ticks pass without jobs, none owed on resume) or resume it."""
+    cur = conn.execute(
+        render(periodic.PERIODIC_SET_PAUSED, schema), {"name": name, "paused": paused}
+    )
+    if cur.fetchone() is None:
+        raise params.no_schedule(name)
+
+
+def run_schedule_now(conn: Conn, schema: str, name: str) -> int:
+    """Enqueue a schedule's job now, as its next tick would, from its description;
+    returns the job's id. The schedule's own ticks go on as before."""
+    rows = [row for row in list_schedules(conn, schema) if row["name"] == name]
+    if not rows:
+        raise params.no_schedule(name)
+    spec = params.schedule_job(rows[0])
+    job_id, _ = insert_job(conn, schema, spec)
+    return job_id

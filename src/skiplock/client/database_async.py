@@ -21,7 +21,7 @@ from psycopg.rows import dict_row
 from skiplock.client import params
 from skiplock.config import control_channel, notify_channel, results_notice
 from skiplock.errors import JobNotFoundError
-from skiplock.sql import admin, enqueue, render, replica, signals
+from skiplock.sql import admin, enqueue, periodic, render, replica, signals
 from skiplock.tasks import JobSpec
 from skiplock.types import Job
 
@@ -364,3 +364,36 @@ async def list_workers_async(conn: AsyncConn, schema: str) -> list[dict[str, Any
     async with conn.cursor(row_factory=dict_row) as cur:
         await cur.execute(render(statement, schema))
         return await cur.fetchall()
+
+
+# -- cron schedules (as the workers that tick them describe them; migration 0030) -----
+
+
+async def list_schedules_async(conn: AsyncConn, schema: str) -> list[dict[str, Any]]:
+    """Every schedule a worker has ticked: its expression, the job it enqueues, its last
+    and next tick, whether it is paused."""
+    async with conn.cursor(row_factory=dict_row) as cur:
+        await cur.execute(render(periodic.PERIODIC_LIST, schema))
+        return await cur.fetchall()
+
+
+async def set_schedule_paused_async(
+    conn: AsyncConn, schema: str, name: str, *, paused: bool
+) -> None:
+    """Pause a schedule (its ticks pass without jobs, none owed on resume) or resume it."""
+    cur = await conn.execute(
+        render(periodic.PERIODIC_SET_PAUSED, schema), {"name": name, "paused": paused}
+    )
+    if await cur.fetchone() is None:
+        raise params.no_schedule(name)
+
+
+async def run_schedule_now_async(conn: AsyncConn, schema: str, name: str) -> int:
+    """Enqueue a schedule's job now, as its next tick would, from its description;
+    returns the job's id. The schedule's own ticks go on as before."""
+    rows = [row for row in await list_schedules_async(conn, schema) if row["name"] == name]
+    if not rows:
+        raise params.no_schedule(name)
+    spec = params.schedule_job(rows[0])
+    job_id, _ = await insert_job_async(conn, schema, spec)
+    return job_id

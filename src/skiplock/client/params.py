@@ -4,13 +4,19 @@ parameters, COPY text, job rows, and the checks of admin arguments. The I/O shel
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypedDict
 
 import psycopg
 
-from skiplock.errors import ConfigurationError, JobNotFoundError, SchemaNotReadyError
+from skiplock.errors import (
+    ConfigurationError,
+    JobNotFoundError,
+    ScheduleNotFoundError,
+    SchemaNotReadyError,
+)
 from skiplock.sql import enqueue
 from skiplock.tasks import JobSpec, check_rate
 from skiplock.types import Job, JobState
@@ -295,3 +301,26 @@ def limits_params(
         "rate": checked[0] if checked else None,
         "period": checked[1] if checked else None,
     }
+
+
+def no_schedule(name: str) -> ScheduleNotFoundError:
+    return ScheduleNotFoundError(
+        f"no cron schedule {name!r}: `skiplock cron list` shows those workers have ticked"
+    )
+
+
+def schedule_job(row: Mapping[str, Any]) -> JobSpec:
+    """The job a schedule's description (PERIODIC_LIST's row) enqueues. A schedule last
+    ticked by a worker from before migration 0030 has none yet: its next pass writes it."""
+    if row["task"] is None:
+        raise ScheduleNotFoundError(
+            f"cron schedule {row['name']!r} has no description yet: a worker that runs it "
+            "writes one at its next pass"
+        )
+    return JobSpec(
+        task=row["task"],
+        args_json=json.dumps(row["args"] or {}),
+        queue=row["queue"],
+        priority=row["priority"] or 0,
+        max_attempts=row["max_attempts"] or 1,
+    )

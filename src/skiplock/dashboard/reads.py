@@ -21,6 +21,7 @@ from psycopg.rows import dict_row
 from skiplock import types
 from skiplock.errors import ConfigurationError
 from skiplock.sql import dashboard as dashboard_sql
+from skiplock.sql import periodic as periodic_sql
 from skiplock.sql import render
 from skiplock.sql import workflows as workflows_sql
 from skiplock.tasks import MAX_QUEUE_NAME, check_name
@@ -320,20 +321,20 @@ def throughput_rows(conn: Conn, schema: str) -> list[dict[str, Any]]:
 
 
 def cron_rows(conn: Conn, schema: str, app: App | None, now: datetime) -> list[dict[str, Any]]:
-    """Each schedule: its expression and next fire time when the App that defines it was
-    given (the database stores only the last tick), and the last tick the leader
-    enqueued."""
+    """Each schedule: as the App given defines it, else as the workers that tick it
+    described it (migration 0030); its last tick, next tick, and whether it is paused."""
     with conn.cursor(row_factory=dict_row) as cur:
         stored = {
             row["name"]: row
-            for row in cur.execute(render(dashboard_sql.PERIODIC_LIST, schema)).fetchall()
+            for row in cur.execute(render(periodic_sql.PERIODIC_LIST, schema)).fetchall()
         }
     rows: list[dict[str, Any]] = []
     names = sorted(set(stored) | set(app.periodics if app else ()))
     for name in names:
         entry = app.periodics.get(name) if app else None
-        last_tick = stored[name]["last_tick"] if name in stored else None
-        next_fire = None
+        row = stored.get(name, {})
+        last_tick = row.get("last_tick")
+        next_fire = row.get("next_tick")
         if entry is not None:
             # A last tick written by hand past year 9999 has no next fire to show.
             with contextlib.suppress(OverflowError, ValueError):
@@ -341,12 +342,14 @@ def cron_rows(conn: Conn, schema: str, app: App | None, now: datetime) -> list[d
         rows.append(
             {
                 "name": name,
-                "expression": entry.schedule.expression if entry else None,
-                "queue": entry.task.options.queue if entry else None,
-                "missed": entry.missed if entry else None,
+                "expression": entry.schedule.expression if entry else row.get("expression"),
+                "queue": entry.task.options.queue if entry else row.get("queue"),
+                "missed": entry.missed if entry else row.get("missed"),
                 "last_tick": last_tick,
                 "next_fire": next_fire,
                 "registered": entry is not None,
+                "recorded": name in stored,
+                "paused": bool(row.get("paused")),
             }
         )
     return rows

@@ -43,7 +43,7 @@ from skiplock.app import App
 from skiplock.config import DEFAULT_SCHEMA, validate_schema
 from skiplock.dashboard import reads, security, values
 from skiplock.dashboard.databases import DB_PARAM, Database, dashboard_databases, pick_database
-from skiplock.errors import ConfigurationError, JobNotFoundError
+from skiplock.errors import ConfigurationError, JobNotFoundError, ScheduleNotFoundError
 from skiplock.replica import ReplicaState, replica_state
 from skiplock.routing import describe_url, without_passwords
 from skiplock.sql import dashboard as dashboard_sql
@@ -79,6 +79,11 @@ _BULK = {
     "delete": (Admin.delete_jobs, "deleted"),
 }
 _SINGLE = {"retry": Admin.retry_job, "cancel": Admin.cancel_job, "delete": Admin.delete_job}
+_CRON: dict[str, Callable[[Admin, str], object]] = {
+    "pause": Admin.pause_schedule,
+    "resume": Admin.resume_schedule,
+    "run-now": Admin.run_schedule_now,
+}
 
 
 class ForbiddenError(Exception):
@@ -853,6 +858,42 @@ class Pages:
             changed=True,
         )
 
+    async def cron_action(self, request: Request) -> Response:
+        """Pause, resume or run now one cron schedule (skiplock cron's three commands)."""
+        dashboard = self.dashboard
+        fields: dict[str, list[str]] = request.state.fields
+        name = str(request.path_params["schedule"])
+        action = str(request.path_params["action"])
+        steer = _CRON.get(action)
+        if steer is None:
+            return self.error(
+                request, 404, f"no cron action {action!r}: use pause, resume or run-now"
+            )
+        database = self.database(request)
+        done: list[object] = []
+
+        def work(conn: psycopg.Connection[Any]) -> None:
+            done.append(steer(dashboard.admin(database, conn), name))
+
+        try:
+            await run_in_threadpool(dashboard.change, database, work)
+        except ScheduleNotFoundError as exc:
+            return self.back(request, _first(fields, "next"), str(exc))
+        log.info(
+            "dashboard cron %s %r%s by %s",
+            action,
+            name,
+            self.on_which(database),
+            _who(request, dashboard),
+        )
+        said = f"job {done[0]} enqueued now" if action == "run-now" else f"{action}d"
+        return self.back(
+            request,
+            _first(fields, "next"),
+            f"schedule {name}{self.on_which(database)}: {said}",
+            changed=True,
+        )
+
     async def queue_action(self, request: Request) -> Response:
         dashboard = self.dashboard
         fields: dict[str, list[str]] = request.state.fields
@@ -1029,6 +1070,12 @@ def create_app(
             name="job_action",
         ),
         Route("/bulk", page(pages.jobs_bulk, change=True), methods=["POST"], name="jobs_bulk"),
+        Route(
+            "/cron/{schedule:path}/{action}",
+            page(pages.cron_action, change=True),
+            methods=["POST"],
+            name="cron_action",
+        ),
         Route(
             "/queues/{queue}/{action}",
             page(pages.queue_action, change=True),

@@ -114,11 +114,6 @@ DASHBOARD_NOW = """
 SELECT now()
 """
 
-# What the leader has recorded of each cron schedule: the last tick enqueued.
-PERIODIC_LIST = """
-SELECT name, last_tick, updated_at FROM {periodic} ORDER BY name
-"""
-
 # Busy slots per worker: its running jobs, through the rescuer's index on running jobs.
 WORKER_BUSY = """
 SELECT worker_id, count(*) FROM {jobs} WHERE state = 'running' GROUP BY worker_id
