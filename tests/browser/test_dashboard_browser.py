@@ -241,8 +241,80 @@ def test_a_dead_job_retried_from_its_page_completes(
     # The overview with the worker alive and the finished job in the chart.
     page.goto(server.url + "/")
     expect(page.locator("#workers tbody")).to_contain_text("default")
-    expect(page.locator("figcaption")).to_contain_text("1 jobs in the hour")
+    expect(page.locator("figcaption")).to_contain_text("1 job in the hour")
     screenshot(page, "overview-worker")
+
+
+def test_a_finished_job_runs_again_from_its_page(
+    app: skiplock.App, serve: Serve, page: Page, start_worker: StartWorker
+) -> None:
+    @app.task(name="shop.receipt")
+    def receipt(order_id: int) -> dict[str, int]:
+        return {"sent": order_id}
+
+    with app.connect() as conn:
+        first = int(receipt.enqueue(conn, order_id=5))
+        conn.commit()
+    start_worker(app, poll_interval=0.05)
+    server = serve()
+    page.goto(f"{server.url}/jobs/{first}")
+    expect(page.locator("#job-state")).to_have_text("completed")
+    expect(page.locator("#retry")).to_have_count(0)
+
+    page.click("#replay")  # the confirmation is accepted (the page fixture)
+
+    notice = page.locator(".notice")
+    expect(notice).to_contain_text(f"job {first} enqueued again as job ")
+    copy = int(notice.inner_text().rsplit("job ", 1)[1].split()[0].rstrip("."))
+    page.goto(f"{server.url}/jobs/{copy}")
+    expect(page.locator("#job-state")).to_have_text("completed")
+    expect(page.locator("#result")).to_contain_text('"sent": 5')
+    screenshot(page, "job-run-again")
+
+
+def test_a_scheduled_job_offers_run_now_and_deletes_look_destructive(
+    make_job: JobFactory, serve: Serve, page: Page
+) -> None:
+    later = make_job(state="scheduled", run_at=datetime.now(UTC) + timedelta(hours=2))
+    server = serve()
+    page.goto(f"{server.url}/jobs/{later}")
+    expect(page.locator("#job-state")).to_have_text("scheduled")
+    expect(page.locator("#retry")).to_have_count(0)
+    expect(page.locator("#delete")).to_have_class("danger")
+
+    page.click("#run-now")
+
+    expect(page.locator("#job-state")).to_have_text("available")
+    page.goto(server.url + "/jobs")
+    expect(page.locator("#delete-all")).to_have_class("danger")
+    expect(page.locator("#retry-all")).not_to_have_class("danger")
+    screenshot(page, "jobs-actions")
+
+
+def test_a_cron_schedule_is_paused_and_run_now_without_the_app(
+    app: skiplock.App, serve: Serve, page: Page
+) -> None:
+    with app.connect() as conn:
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {} (name, last_tick, expression, task, queue, priority, "
+                "max_attempts, args, missed, next_tick) VALUES ('reports.nightly', now(), "
+                "'0 3 * * *', 'reports.nightly', 'reports', 0, 3, '{{}}', 'latest', "
+                "now() + interval '1 hour')"
+            ).format(sql.Identifier(app.schema, "periodic"))
+        )
+        conn.commit()
+    server = serve()
+    page.goto(server.url + "/cron")
+    row = page.locator('tr[data-schedule="reports.nightly"]')
+    expect(row.locator(".state")).to_have_text("active")
+
+    row.locator("button", has_text="Pause").click()
+
+    expect(page.locator('tr[data-schedule="reports.nightly"] .state')).to_have_text("paused")
+    screenshot(page, "cron-paused")
+    page.locator('tr[data-schedule="reports.nightly"] button', has_text="Run now").click()
+    expect(page.locator(".notice")).to_contain_text("schedule reports.nightly: job ")
 
 
 def test_a_running_job_is_cancelled(
