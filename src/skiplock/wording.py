@@ -11,4 +11,4 @@ def plural(count: int, noun: str) -> str:
 
 def with_article(noun: str) -> str:
     """``a dict``, ``an object``: the type names errors quote."""
-    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+    return f"{'an' if noun and noun[0].lower() in 'aeiou' else 'a'} {noun}"

@@ -80,6 +80,24 @@ def test_run_now_enqueues_the_described_job_without_the_app(ops: Ops, run_cli: C
     ]
 
 
+def test_run_now_of_a_row_written_by_hand_takes_the_jobs_defaults(ops: Ops, run_cli: Cli) -> None:
+    ops.rows("INSERT INTO {periodic} (name, last_tick, task) VALUES ('by.hand', now(), 'by.hand')")
+    ops.rows("INSERT INTO {periodic} (name, last_tick) VALUES ('old.worker', now())")
+
+    result = run_cli("cron", "run-now", "by.hand")
+
+    job_id = int(result.out.split()[3])
+    assert ops.rows(
+        "SELECT task, queue, priority, max_attempts, args FROM {jobs} WHERE id = %s", (job_id,)
+    ) == [("by.hand", "default", 0, 3, {})]
+    undescribed = run_cli("cron", "run-now", "old.worker")
+    assert (undescribed.code, undescribed.err) == (
+        2,
+        "skiplock: cron schedule 'old.worker' has no description yet: a worker that runs it "
+        "writes one at its next pass\n",
+    )
+
+
 def test_an_unknown_schedule_is_named_with_where_to_look(ops: Ops, run_cli: Cli) -> None:
     for command in ("pause", "resume", "run-now"):
         result = run_cli("cron", command, "nightly")

@@ -317,10 +317,11 @@ def schedule_job(row: Mapping[str, Any]) -> JobSpec:
             f"cron schedule {row['name']!r} has no description yet: a worker that runs it "
             "writes one at its next pass"
         )
+    # A row written by hand may leave the rest out: the jobs table's own defaults then.
     return JobSpec(
         task=row["task"],
         args_json=json.dumps(row["args"] or {}),
-        queue=row["queue"],
+        queue=row["queue"] or "default",
         priority=row["priority"] or 0,
-        max_attempts=row["max_attempts"] or 1,
+        max_attempts=row["max_attempts"] or 3,
     )
