@@ -318,6 +318,11 @@ def test_every_enqueue_path_works_for_the_enqueue_role(
         first = int(window.enqueue(conn, n=33))
         expect(first, 33)
         assert int(window.enqueue(conn, n=34)) == first
+        # Replacing a waiting holder's arguments (job_replace_waiting, SECURITY DEFINER).
+        replacing = echo_task.with_options(unique_key="r", replace="args")
+        holder = int(replacing.enqueue(conn, n=35))
+        assert int(replacing.enqueue(conn, n=36)) == holder
+        expect(holder, 36)
         unique_many = [echo_task.with_options(unique_key=f"m{n}").job(n=n) for n in range(40, 43)]
         for n, job_id in zip(range(40, 43), enqueuer.enqueue_many(conn, unique_many), strict=True):
             expect(job_id, n)

@@ -175,6 +175,13 @@ FUNCTIONS: dict[str, tuple[str, frozenset[Use]]] = {
         "adder bigint, attempt integer, names text[]",
         frozenset({Use.WORKER, Use.ADMIN}),
     ),
+    # A unique enqueue that replaces its waiting holder (0031): SECURITY DEFINER, it
+    # changes only the fields an enqueue writes, of waiting jobs with the key.
+    "job_replace_waiting": (
+        "active_key text, queued_key text, fields text[], new_args jsonb, "
+        "new_run_at timestamp with time zone, new_priority smallint, new_max_attempts integer",
+        _EVERY_USE,
+    ),
     # A signal (0029): SECURITY DEFINER, so that a sender needs no privilege on jobs.
     "signal": ("signal_key text, signal_payload jsonb, kept_for interval", _EVERY_USE),
     # Ended workflows pruned with history (0026): by the leader and `skiplock prune`.

@@ -69,6 +69,13 @@ class TaskOptions:
     # Seconds after an enqueue during which a duplicate is refused whatever became of the
     # first job (it may have finished long ago). None: the scope alone decides.
     unique_window: float | timedelta | None = None
+    # A held key replaces instead of refusing (decision 028): the waiting holder takes
+    # this job's values of the fields named (True: all of REPLACEABLE).
+    replace: bool | tuple[str, ...] = False
+    # Seconds: the job runs this long after the last enqueue of its key; each duplicate
+    # pushes the waiting holder's run time back. Keys are then held while a job waits
+    # (unique_scope 'queued'), so a change made while one runs gets a job of its own.
+    debounce: float | timedelta | None = None
 
 
 _OPTION_NAMES = ("name", *TaskOptions.__dataclass_fields__)
@@ -81,6 +88,8 @@ _CALL_OPTION_NAMES = (
     "unique_key",
     "unique_scope",
     "unique_window",
+    "replace",
+    "debounce",
     "ordering_key",
     "concurrency_key",
     "concurrency_limit",
@@ -88,6 +97,8 @@ _CALL_OPTION_NAMES = (
     "rate_limit",
 )
 UNIQUE_SCOPES = ("active", "queued")
+# What a replacing enqueue may change in a waiting holder (migration 0031).
+REPLACEABLE = ("args", "run_at", "priority", "max_attempts")
 
 
 def _reject_unknown(given: Mapping[str, object], known: tuple[str, ...], where: str) -> None:
@@ -141,6 +152,7 @@ def parse_task_options(options: Mapping[str, Any]) -> tuple[str | None, TaskOpti
         if parsed.unique is False:
             raise ConfigurationError("unique_window needs unique=True or a unique key")
         parsed = replace(parsed, unique_window=_check_window(parsed.unique_window))
+    parsed = _parse_replacing(parsed, scope_given="unique_scope" in options)
     if parsed.timeout is not None and not (
         isinstance(parsed.timeout, (int, float)) and parsed.timeout > 0
     ):
@@ -150,7 +162,7 @@ def parse_task_options(options: Mapping[str, Any]) -> tuple[str | None, TaskOpti
     return name, parsed
 
 
-def _check_window(value: object) -> float:
+def _check_window(value: object, name: str = "unique_window") -> float:
     """A window in seconds, from a number or a timedelta."""
     seconds = value.total_seconds() if isinstance(value, timedelta) else value
     if (
@@ -159,10 +171,61 @@ def _check_window(value: object) -> float:
         or not (math.isfinite(seconds) and 0 < seconds <= MAX_DELAY_SECONDS)
     ):
         raise ConfigurationError(
-            f"unique_window must be a positive number of seconds or a timedelta of at most "
+            f"{name} must be a positive number of seconds or a timedelta of at most "
             f"100 years, got {value!r}"
         )
     return float(seconds)
+
+
+def check_replace(value: object) -> tuple[str, ...]:
+    """``replace=``: True (every field), False, or the names of fields to replace."""
+    if value is True:
+        return REPLACEABLE
+    if value is False or value is None or value == ():
+        return ()
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not names:
+        raise ConfigurationError(
+            f"replace must be True or some of {', '.join(REPLACEABLE)}, got {value!r}"
+        )
+    for name in names:
+        if name not in REPLACEABLE:
+            close = difflib.get_close_matches(str(name), REPLACEABLE, n=1)
+            hint = f" - did you mean {close[0]!r}?" if close else ""
+            raise ConfigurationError(
+                f"replace: {name!r} cannot be replaced; choose from {', '.join(REPLACEABLE)}{hint}"
+            )
+    return tuple(dict.fromkeys(str(name) for name in names))
+
+
+def _parse_replacing(parsed: TaskOptions, *, scope_given: bool) -> TaskOptions:
+    """The task's ``replace`` and ``debounce``, checked against its unique key."""
+    fields = check_replace(parsed.replace)
+    debounce = None if parsed.debounce is None else _check_window(parsed.debounce, "debounce")
+    if not fields and debounce is None:
+        return replace(parsed, replace=())
+    which = "debounce" if debounce is not None else "replace"
+    if parsed.unique is False:
+        raise ConfigurationError(f"{which} needs unique=True or a unique key")
+    if parsed.unique_window is not None:
+        raise ConfigurationError(
+            f"{which} cannot be combined with unique_window: a window's holder may have "
+            "finished long ago, and a finished job has nothing to replace"
+        )
+    scope = parsed.unique_scope
+    if debounce is not None:
+        _check_debounce_scope(scope if scope_given else None)
+        scope = "queued"
+    return replace(parsed, replace=fields, debounce=debounce, unique_scope=scope)
+
+
+def _check_debounce_scope(scope: object) -> None:
+    if scope == "active":
+        raise ConfigurationError(
+            "debounce holds its key only while the job waits (unique_scope='queued'), so "
+            "that a change made while one runs gets a job of its own; leave unique_scope "
+            "out or give 'queued'"
+        )
 
 
 def _check_unique(scope: object, key: object) -> None:
@@ -312,6 +375,8 @@ class JobSpec:
     unique_key: str | None = None
     unique_scope: str = "active"
     unique_window: float | None = None
+    # A held key replaces these fields of the waiting holder (decision 028).
+    replace: tuple[str, ...] = ()
     # Keyed jobs wait their turn outside the claim (migration 0008): at most key_limit of
     # a key's jobs are admitted at once, oldest first.
     ordering_key: str | None = None
@@ -553,6 +618,8 @@ class TaskCall(Generic[R]):
     unique_key: str | None = None
     unique_scope: str | None = None
     unique_window: float | timedelta | None = None
+    replace: bool | tuple[str, ...] | None = None
+    debounce: float | timedelta | None = None
     ordering_key: str | None = None
     concurrency_key: str | None = None
     concurrency_limit: int = 1
@@ -569,6 +636,15 @@ class TaskCall(Generic[R]):
             _check_unique(options.get("unique_scope", "active"), True if key is None else key)
         if options.get("unique_window") is not None:
             options = {**options, "unique_window": _check_window(options["unique_window"])}
+        if "replace" in options:
+            options = {**options, "replace": check_replace(options["replace"])}
+        if options.get("debounce") is not None:
+            options = {**options, "debounce": _check_window(options["debounce"], "debounce")}
+            _check_debounce_scope(options.get("unique_scope"))
+            if options.get("run_at") is not None or options.get("delay"):
+                raise ConfigurationError(
+                    "debounce sets the run time (now + debounce): give it or run_at/delay, not both"
+                )
         if "queue" in options:
             check_name("queue", options["queue"], MAX_QUEUE_NAME)
             declared = self.task.options.queue
@@ -641,25 +717,59 @@ class TaskCall(Generic[R]):
             raise ConfigurationError(
                 f"{task.name}: unique_window needs a unique_key (or a task with unique=...)"
             )
+        unique = unique_key is not None or keyed_by_args
+        window = _window_or_none(self.unique_window or task.options.unique_window)
+        fields, debounce, scope = self._replacing(unique, window)
         return JobSpec(
             task=task.name,
             args_json="{}",
             unique_key=unique_key,
-            unique_scope=self.unique_scope or task.options.unique_scope,
-            unique_window=(
-                None
-                if unique_key is None and not keyed_by_args
-                else _window_or_none(self.unique_window or task.options.unique_window)
-            ),
+            unique_scope=scope,
+            unique_window=window if unique else None,
+            replace=fields,
             queue=self.queue or task.options.queue,
             priority=task.options.priority if self.priority is None else self.priority,
             max_attempts=self.max_attempts or task.options.max_attempts,
-            run_at=self.run_at,
-            delay=float(self.delay),
+            run_at=None if debounce is not None else self.run_at,
+            delay=float(self.delay) if debounce is None else debounce,
             ordering_key=self.ordering_key or self.concurrency_key or self.rate_key,
             key_limit=key_limit,
             key_rate=key_rate,
         )
+
+    def _replacing(
+        self, unique: bool, window: float | None
+    ) -> tuple[tuple[str, ...], float | None, str]:
+        """The fields a held key replaces, the debounce, and the key's scope, from this
+        call's options over the task's."""
+        task = self.task
+        fields = check_replace(task.options.replace if self.replace is None else self.replace)
+        debounce = _window_or_none(
+            self.debounce if self.debounce is not None else task.options.debounce
+        )
+        scope = self.unique_scope or task.options.unique_scope
+        if not fields and debounce is None:
+            return (), None, scope
+        which = "debounce" if debounce is not None else "replace"
+        if not unique:
+            raise ConfigurationError(
+                f"{task.name}: {which} needs a unique_key (or a task with unique=...)"
+            )
+        if window is not None:
+            raise ConfigurationError(
+                f"{task.name}: {which} cannot be combined with unique_window: a window's "
+                "holder may have finished long ago, and a finished job has nothing to replace"
+            )
+        if debounce is not None:
+            if self.debounce is None and (self.run_at is not None or self.delay):
+                raise ConfigurationError(
+                    f"{task.name} debounces: its run time is now + {debounce:g}s, so give "
+                    "no run_at or delay"
+                )
+            _check_debounce_scope(self.unique_scope)
+            fields = tuple(dict.fromkeys((*fields, "run_at")))
+            scope = "queued"
+        return fields, debounce, scope
 
     # The App writes the job: tasks sit below client and app and never import them.
     def enqueue(self, conn: psycopg.Connection[Any], /, **args: Any) -> JobRef:

@@ -376,6 +376,12 @@ def _check_unique_step(name: str, job: JobSpec) -> None:
     fail on it; a window outlives the job."""
     if job.unique_key is None:
         return
+    if job.replace:
+        raise ConfigurationError(
+            f"step {name!r}: a workflow step cannot replace or debounce (replace=, "
+            "debounce=): a held key refuses the whole workflow, whose steps are written "
+            "together"
+        )
     if job.unique_scope != "active" or job.unique_window is not None:
         raise ConfigurationError(
             f"step {name!r}: a workflow step may be unique in the 'active' scope only "

@@ -91,6 +91,10 @@ def test_unique_steps_may_only_be_unique_while_active() -> None:
     for options in ({"unique_scope": "queued"}, {"unique_window": 60}):
         with pytest.raises(ConfigurationError, match="in the 'active' scope only"):
             app.workflow().add(unique_step.with_options(**options).job())
+    replacing: list[dict[str, object]] = [{"replace": True}, {"debounce": 30}]
+    for replacing_options in replacing:
+        with pytest.raises(ConfigurationError, match="cannot replace or debounce"):
+            app.workflow().add(unique_step.with_options(**replacing_options).job())
 
 
 def test_the_step_limit(monkeypatch: pytest.MonkeyPatch) -> None:

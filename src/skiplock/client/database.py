@@ -104,6 +104,12 @@ def insert_job(
         row = cur.fetchone()
         if row is not None:
             return int(row[0]), True
+        if spec.replace:
+            cur = conn.execute(render(enqueue.JOB_REPLACE_WAITING, schema), unique)
+            row = cur.fetchone()
+            if row is not None and row[0] is not None:
+                return int(row[0]), False
+            # No holder waits: one that started is looked up, a gone one makes room.
         cur = conn.execute(render(enqueue.JOB_FIND_UNIQUE, schema), unique)
         row = cur.fetchone()
         if row is not None:
@@ -148,8 +154,8 @@ def insert_jobs(
     ``meta`` is stored with every job of the batch."""
     if not specs:
         return []
-    if any(s.unique_window is not None for s in specs):
-        # Windows are taken key by key: one round trip or more per job.
+    if any(s.unique_window is not None or s.replace for s in specs):
+        # Windows are taken and holders replaced key by key: a round trip or more per job.
         ids = []
         for spec in specs:
             job_id, _ = insert_job(conn, schema, spec, meta=meta)

@@ -169,6 +169,7 @@ def unique_params(schema: str, spec: JobSpec, meta: str | None = None) -> dict[s
         **one_params(spec, meta),
         "unique_key": active,
         "unique_queued_key": queued,
+        "replace": list(spec.replace),
     }
 
 

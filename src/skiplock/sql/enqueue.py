@@ -84,6 +84,17 @@ WHERE (unique_key = %(unique_key)s AND state <> 'dead')
 LIMIT 1
 """
 
+# A unique job asked to replace (decision 028), after JOB_INSERT_UNIQUE inserted nothing:
+# the waiting holder takes the fields named; NULL when none waits (the caller then looks
+# the holder up, or inserts again when it has gone). The run time is computed as the
+# insert's is, from the transaction's now().
+JOB_REPLACE_WAITING = """
+SELECT {schema}.job_replace_waiting(
+    %(unique_key)s, %(unique_queued_key)s, %(replace)s::text[], %(args)s::jsonb,
+    COALESCE(%(run_at)s, now() + %(delay)s * interval '1 second'), %(priority)s::smallint,
+    %(max_attempts)s::integer)
+"""
+
 # Unique jobs in bulk: one statement for the batch; duplicates (of live jobs, or within
 # the batch) insert nothing, and the caller looks their holders up by key.
 JOB_INSERT_MANY_UNIQUE = """
