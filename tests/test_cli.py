@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -190,6 +191,35 @@ def test_jobs_retry_all_with_filters_needs_yes_without_a_terminal(
     assert [job_state(autocommit, j) for j in dead_emails] == [("available", 0)] * 3
     assert job_state(autocommit, dead_sms) == ("dead", 3)
     assert job_state(autocommit, waiting) == ("available", 0)
+
+
+def test_jobs_are_listed_shown_and_cancelled_by_tag(app: skiplock.App) -> None:
+    @app.task(name="shop.invoice", tags=["billing"])
+    def invoice(n: int) -> None: ...
+
+    with app.connect() as conn:
+        billed = [int(invoice.enqueue(conn, n=n)) for n in range(2)]
+        eu = int(invoice.with_options(tags=["billing", "eu"]).enqueue(conn, n=9))
+        plain = int(invoice.with_options(tags=[]).enqueue(conn, n=10))
+        conn.commit()
+
+    table = ok(run_cli(app.database_url, "jobs", "list", "--tag", "eu")).splitlines()
+    listed = json.loads(ok(run_cli(app.database_url, "jobs", "list", "--tag", "billing", "--json")))
+    shown = ok(run_cli(app.database_url, "jobs", "show", str(eu)))
+    cancelled = ok(run_cli(app.database_url, "jobs", "cancel", "--all", "--tag", "eu", "--yes"))
+    bad = refused(run_cli(app.database_url, "jobs", "list", "--tag", "a b"))
+
+    assert [line.split()[0] for line in table[1:]] == [str(eu)]
+    assert table[1].endswith("#billing #eu")
+    assert [(j["id"], j["tags"]) for j in listed] == [
+        *[(i, ["billing"]) for i in billed],
+        (eu, ["billing", "eu"]),
+    ]
+    assert re.search(r"^  tags:\s+billing, eu$", shown, re.M)
+    assert "1" in cancelled
+    remaining = json.loads(ok(run_cli(app.database_url, "jobs", "list", "--json")))
+    assert sorted(j["id"] for j in remaining) == sorted([*billed, plain])
+    assert "tag name 'a b' may only contain" in bad
 
 
 def running_job(make_job: JobFactory) -> int:

@@ -242,6 +242,46 @@ def test_jobs_filters(
     assert shown == {ids[name] for name in expected}
 
 
+def test_jobs_are_found_by_tag_live_and_finished_and_show_their_tags(
+    app: skiplock.App, make_job: JobFactory, web: TestClient
+) -> None:
+    @app.task(name="shop.invoice", tags=["billing", "eu"])
+    def invoice(n: int) -> None: ...
+
+    with app.connect() as conn:
+        live = int(invoice.enqueue(conn, n=1))
+        other = int(invoice.with_options(tags=["us"]).enqueue(conn, n=2))
+        conn.commit()
+    done = add_history(app, task="shop.invoice")
+    odd = make_job(task="shop.odd")
+    with app.connect() as conn:
+        conn.execute(
+            f"UPDATE {SCHEMA}.job_history SET meta = %s WHERE id = %s",
+            (Jsonb({"tags": ["billing"]}), done),
+        )
+        # Written by hand: not a list of strings. The pages show what is a string, if any.
+        conn.execute(
+            f"UPDATE {SCHEMA}.jobs SET meta = %s WHERE id = %s",
+            (Jsonb({"tags": ["<b>x</b>", 7]}), odd),
+        )
+        conn.commit()
+
+    html = web.get("/jobs?tag=billing").text
+    assert {int(i) for i in re.findall(r'<tr data-job="(\d+)">', html)} == {live, done}
+    assert '<a class="tag" href="/jobs?tag=eu">eu</a>' in html
+    assert {int(i) for i in re.findall(r'<tr data-job="(\d+)">', web.get("/jobs?tag=us").text)} == {
+        other
+    }
+    page = web.get(f"/jobs/{live}").text
+    assert re.search(r'<dd id="job-tags">.*billing.*eu.*</dd>', page)
+    everything = web.get("/jobs").text
+    assert "&lt;b&gt;x&lt;/b&gt;" in everything and "<b>x</b>" not in everything
+    assert web.get(f"/jobs/{odd}").status_code == 200
+    bad = web.get("/jobs?tag=has%20space")
+    assert bad.status_code == 400
+    assert "tag=&#39;has space&#39;" in bad.text
+
+
 def test_jobs_bad_filters_are_named(web: TestClient) -> None:
     response = web.get("/jobs?state=finished")
     assert response.status_code == 400

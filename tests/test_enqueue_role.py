@@ -323,6 +323,11 @@ def test_every_enqueue_path_works_for_the_enqueue_role(
         holder = int(replacing.enqueue(conn, n=35))
         assert int(replacing.enqueue(conn, n=36)) == holder
         expect(holder, 36)
+        # Tags, in the meta column the role may write, alone and in bulk.
+        expect(echo_task.with_options(tags=["role"]).enqueue(conn, n=37), 37)
+        tagged = [echo_task.with_options(tags=["role"]).job(n=n) for n in (38, 39)]
+        for n, job_id in zip((38, 39), enqueuer.enqueue_many(conn, tagged), strict=True):
+            expect(job_id, n)
         unique_many = [echo_task.with_options(unique_key=f"m{n}").job(n=n) for n in range(40, 43)]
         for n, job_id in zip(range(40, 43), enqueuer.enqueue_many(conn, unique_many), strict=True):
             expect(job_id, n)

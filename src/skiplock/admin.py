@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Unpack
 
 import psycopg
 from psycopg_pool import ConnectionPool
 
 from skiplock import client, routing
 from skiplock.app import App
+from skiplock.client.params import JobFilters
 from skiplock.errors import ConfigurationError, EnqueueError
 from skiplock.tasks import MAX_QUEUE_NAME, check_name
 from skiplock.types import Job
@@ -79,43 +80,20 @@ class Admin:
         with self._conn() as conn:
             return client.get_job(conn, self.schema, job_id)
 
-    def list_jobs(
-        self,
-        *,
-        state: str | None = None,
-        queue: str | None = None,
-        task: str | None = None,
-        older_than: float | None = None,
-        limit: int = 100,
-    ) -> list[Job]:
-        """Live jobs matching every filter given, by id; ``older_than`` in seconds
-        since each was enqueued."""
+    def list_jobs(self, *, limit: int = 100, **filters: Unpack[JobFilters]) -> list[Job]:
+        """Live jobs matching every filter given (``state``, ``queue``, ``task``,
+        ``older_than`` in seconds since each was enqueued, ``tag`` one of the job's tags),
+        by id."""
         with self._conn() as conn:
-            return client.list_jobs(
-                conn,
-                self.schema,
-                state=state,
-                queue=queue,
-                task=task,
-                older_than=older_than,
-                limit=limit,
-            )
+            return client.list_jobs(conn, self.schema, limit=limit, **filters)
 
-    def job_ids(
-        self,
-        *,
-        state: str | None = None,
-        queue: str | None = None,
-        task: str | None = None,
-        older_than: float | None = None,
-    ) -> list[int]:
-        """The ids of every live job matching the filters: what to pass to retry_jobs,
-        cancel_jobs or delete_jobs to act on all of them. With ``state`` "completed" or
-        "cancelled", those of the finished jobs in history: retry_jobs runs them again."""
+    def job_ids(self, **filters: Unpack[JobFilters]) -> list[int]:
+        """The ids of every live job matching the filters (those of ``list_jobs``): what
+        to pass to retry_jobs, cancel_jobs or delete_jobs to act on all of them. With
+        ``state`` "completed" or "cancelled", those of the finished jobs in history:
+        retry_jobs runs them again."""
         with self._conn() as conn:
-            return client.select_job_ids(
-                conn, self.schema, state=state, queue=queue, task=task, older_than=older_than
-            )
+            return client.select_job_ids(conn, self.schema, **filters)
 
     def retry_job(self, job_id: int) -> int:
         """Send a dead or waiting job back to its queue with fresh attempts, to run now;

@@ -182,6 +182,9 @@ FUNCTIONS: dict[str, tuple[str, frozenset[Use]]] = {
         "new_run_at timestamp with time zone, new_priority smallint, new_max_attempts integer",
         _EVERY_USE,
     ),
+    # The tags' statistics of a new history partition (0032): called only by
+    # history_partition_create, as its owner; no use calls it.
+    "tags_statistics_create": ("partition regclass", frozenset()),
     # A signal (0029): SECURITY DEFINER, so that a sender needs no privilege on jobs.
     "signal": ("signal_key text, signal_payload jsonb, kept_for interval", _EVERY_USE),
     # Ended workflows pruned with history (0026): by the leader and `skiplock prune`.

@@ -33,6 +33,9 @@ R = TypeVar("R")
 _NAME = re.compile(r"^[A-Za-z0-9_.:\-]+$")
 MAX_QUEUE_NAME = 128
 MAX_TASK_NAME = 255
+# Tags (stored in the job's meta, indexed in jobs and history: migration 0032).
+MAX_TAG = 64
+MAX_TAGS = 16
 PRIORITY_RANGE = (-32768, 32767)
 MAX_ARGS_BYTES = 64 * 1024 * 1024
 
@@ -76,6 +79,9 @@ class TaskOptions:
     # pushes the waiting holder's run time back. Keys are then held while a job waits
     # (unique_scope 'queued'), so a change made while one runs gets a job of its own.
     debounce: float | timedelta | None = None
+    # Labels to find the task's jobs by (`jobs list --tag`, the dashboard); a call's own
+    # tags= replace these.
+    tags: tuple[str, ...] = ()
 
 
 _OPTION_NAMES = ("name", *TaskOptions.__dataclass_fields__)
@@ -90,6 +96,7 @@ _CALL_OPTION_NAMES = (
     "unique_window",
     "replace",
     "debounce",
+    "tags",
     "ordering_key",
     "concurrency_key",
     "concurrency_limit",
@@ -153,6 +160,7 @@ def parse_task_options(options: Mapping[str, Any]) -> tuple[str | None, TaskOpti
             raise ConfigurationError("unique_window needs unique=True or a unique key")
         parsed = replace(parsed, unique_window=_check_window(parsed.unique_window))
     parsed = _parse_replacing(parsed, scope_given="unique_scope" in options)
+    parsed = replace(parsed, tags=check_tags(parsed.tags))
     if parsed.timeout is not None and not (
         isinstance(parsed.timeout, (int, float)) and parsed.timeout > 0
     ):
@@ -175,6 +183,17 @@ def _check_window(value: object, name: str = "unique_window") -> float:
             f"100 years, got {value!r}"
         )
     return float(seconds)
+
+
+def check_tags(value: object) -> tuple[str, ...]:
+    """``tags=``: a list of short names, each kept once, in order."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
+        example = f" (one tag: tags=[{value!r}])" if isinstance(value, str) else ""
+        raise ConfigurationError(f"tags must be a list of strings, got {value!r}{example}")
+    tags = tuple(dict.fromkeys(check_name("tag", tag, MAX_TAG) for tag in value))
+    if len(tags) > MAX_TAGS:
+        raise ConfigurationError(f"a job has at most {MAX_TAGS} tags, got {len(tags)}")
+    return tags
 
 
 def check_replace(value: object) -> tuple[str, ...]:
@@ -377,6 +396,7 @@ class JobSpec:
     unique_window: float | None = None
     # A held key replaces these fields of the waiting holder (decision 028).
     replace: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()
     # Keyed jobs wait their turn outside the claim (migration 0008): at most key_limit of
     # a key's jobs are admitted at once, oldest first.
     ordering_key: str | None = None
@@ -619,6 +639,7 @@ class TaskCall(Generic[R]):
     unique_scope: str | None = None
     unique_window: float | timedelta | None = None
     replace: bool | tuple[str, ...] | None = None
+    tags: tuple[str, ...] | None = None
     debounce: float | timedelta | None = None
     ordering_key: str | None = None
     concurrency_key: str | None = None
@@ -638,6 +659,8 @@ class TaskCall(Generic[R]):
             options = {**options, "unique_window": _check_window(options["unique_window"])}
         if "replace" in options:
             options = {**options, "replace": check_replace(options["replace"])}
+        if "tags" in options:
+            options = {**options, "tags": check_tags(options["tags"])}
         if options.get("debounce") is not None:
             options = {**options, "debounce": _check_window(options["debounce"], "debounce")}
             _check_debounce_scope(options.get("unique_scope"))
@@ -727,6 +750,7 @@ class TaskCall(Generic[R]):
             unique_scope=scope,
             unique_window=window if unique else None,
             replace=fields,
+            tags=task.options.tags if self.tags is None else self.tags,
             queue=self.queue or task.options.queue,
             priority=task.options.priority if self.priority is None else self.priority,
             max_attempts=self.max_attempts or task.options.max_attempts,

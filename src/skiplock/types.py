@@ -70,6 +70,7 @@ class Job:
     # A job waiting for a signal (skiplock.wait_for): its key, and when its wait times out.
     wait_key: str | None = None
     wait_until: datetime | None = None
+    tags: tuple[str, ...] = ()
 
     @property
     def last_error(self) -> str | None:

@@ -464,6 +464,7 @@ def step_columns(nodes: Sequence[_Node], run_anyway: bool) -> dict[str, Any]:
         "anyway": [run_anyway if node.run_anyway is None else node.run_anyway for node in nodes],
         "up": ["{" + ",".join([str(p + 1) for p in node.parents]) + "}" for node in nodes],
         "down": ["{" + ",".join(own) + "}" for own in children],
+        "tg": [json.dumps(s.tags) if s.tags else None for s in specs],
     }
     uniform = {
         key: values[0]

@@ -194,6 +194,34 @@ def test_filtering_finds_a_job_by_an_argument(
     screenshot(page, "jobs")
 
 
+def test_jobs_are_found_by_tag_and_a_tag_on_a_job_lists_its_fellows(
+    app: skiplock.App, serve: Serve, page: Page
+) -> None:
+    @app.task(name="shop.invoice", tags=["billing"])
+    def invoice(order_id: int) -> None: ...
+
+    with app.connect() as conn:
+        for n in range(6):
+            invoice.with_options(tags=["billing", "eu" if n % 2 else "us"]).enqueue(
+                conn, order_id=2000 + n
+            )
+        untagged = int(invoice.with_options(tags=[]).enqueue(conn, order_id=1))
+        conn.commit()
+    server = serve()
+
+    page.goto(server.url + "/jobs")
+    page.fill('#filters input[name="tag"]', "eu")
+    page.click('#filters button[type="submit"]')
+    expect(page.locator("#jobs tbody tr")).to_have_count(3)
+    expect(page.locator("#jobs tbody tr").first.locator("a.tag")).to_have_text(["billing", "eu"])
+    screenshot(page, "jobs-by-tag")
+
+    page.locator("#jobs tbody tr").first.locator("a.tag", has_text="billing").click()
+    expect(page.locator('#filters input[name="tag"]')).to_have_value("billing")
+    expect(page.locator("#jobs tbody tr")).to_have_count(6)
+    expect(page.locator(f'tr[data-job="{untagged}"]')).to_have_count(0)
+
+
 def test_a_dead_job_retried_from_its_page_completes(
     app: skiplock.App, make_job: JobFactory, serve: Serve, page: Page, start_worker: StartWorker
 ) -> None:

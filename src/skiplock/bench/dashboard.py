@@ -29,11 +29,12 @@ SCHEMA = "skiplock_bench_dashboard"
 DAYS = 7
 
 # History: finished over the last DAYS days, one in a hundred cancelled, one in fifty
-# after a failure. Ids 1..rows (live jobs get the ids after them). The ten oldest are of a
-# rare queue, task and error class: a filter for them finds its rows at the far end.
+# after a failure, one in three tagged. Ids 1..rows (live jobs get the ids after them). The
+# ten oldest are of a rare queue, task, error class and tag: a filter for them finds its
+# rows at the far end.
 _HISTORY_ROWS = """
 INSERT INTO {history} (id, queue, task, args, state, priority, attempts, max_attempts,
-                       errors, result, created_at, attempted_at, finished_at)
+                       errors, result, created_at, attempted_at, finished_at, meta)
 SELECT g,
        CASE WHEN g <= 10 THEN 'rare' ELSE 'queue' || (g %% 5) END,
        CASE WHEN g <= 10 THEN 'shop.rare' ELSE 'shop.task_' || (g %% 20) END,
@@ -47,14 +48,17 @@ SELECT g,
                 'message', 'failed once', 'traceback', 'Traceback ...'))
             ELSE '[]'::jsonb END,
        NULL,
-       t - interval '2 seconds', t - interval '1 second', t
+       t - interval '2 seconds', t - interval '1 second', t,
+       CASE WHEN g <= 10 THEN jsonb_build_object('tags', jsonb_build_array('rare'))
+            WHEN g %% 3 = 0 THEN jsonb_build_object('tags', jsonb_build_array('common', 'eu'))
+       END
 FROM (SELECT g, now() - (%(rows)s - g) * (%(days)s * interval '1 day') / %(rows)s AS t
       FROM generate_series(1, %(rows)s) AS g) AS s
 """
 
 _LIVE_JOBS = """
 INSERT INTO {jobs} (id, queue, task, args, state, run_at, attempts, max_attempts, errors,
-                    worker_id, lease_expires_at, created_at, attempted_at)
+                    worker_id, lease_expires_at, created_at, attempted_at, meta)
 SELECT %(first)s + g, 'queue' || (g %% 5), 'shop.task_' || (g %% 20),
        jsonb_build_object('order_id', %(first)s + g, 'customer', 'customer-' || (g %% 1000)),
        s.state,
@@ -71,7 +75,9 @@ SELECT %(first)s + g, 'queue' || (g %% 5), 'shop.task_' || (g %% 20),
        CASE WHEN s.state = 'running' THEN gen_random_uuid() END,
        CASE WHEN s.state = 'running' THEN now() + interval '1 hour' END,
        now() - interval '1 minute',
-       CASE WHEN s.state IN ('running', 'dead', 'retryable') THEN now() END
+       CASE WHEN s.state IN ('running', 'dead', 'retryable') THEN now() END,
+       CASE WHEN g %% 3 = 0 THEN jsonb_build_object('tags', jsonb_build_array('common', 'eu'))
+       END
 FROM generate_series(1, %(rows)s) AS g,
      LATERAL (SELECT CASE WHEN g %% 100 = 0 THEN 'dead'
                           WHEN g %% 100 = 1 THEN 'running'
@@ -124,6 +130,8 @@ def pages(history_rows: int, live_jobs: int) -> list[tuple[str, str]]:
         ("jobs rare task", "/jobs?task=shop.rare"),
         ("jobs rare error", "/jobs?error=RareError"),
         ("jobs rare q+state", "/jobs?queue=rare&state=completed"),
+        ("jobs tag", "/jobs?tag=common"),
+        ("jobs rare tag", "/jobs?tag=rare"),
         ("job finished", f"/jobs/{middle}"),
         ("job live", f"/jobs/{history_rows + live_jobs // 2}"),
         ("cron", "/cron"),

@@ -20,6 +20,7 @@ from skiplock.sql import render
 from skiplock.sql import steps as steps_sql
 from skiplock.sql import workflows as workflows_sql
 from skiplock.sql.admin import REPLAYABLE_STATES
+from skiplock.tasks import MAX_TAG, check_name
 from skiplock.types import LIVE_STATES, Job
 from skiplock.wording import plural
 
@@ -59,11 +60,20 @@ def _add_filters(parser: argparse.ArgumentParser, states: list[str] = STATES) ->
     parser.add_argument("--queue")
     parser.add_argument("--task")
     parser.add_argument("--older-than", type=seconds(), metavar="SECONDS", help="by creation time")
+    parser.add_argument("--tag", type=_tag, help="jobs with this tag (with_options(tags=...))")
+
+
+def _tag(text: str) -> str:
+    try:
+        return check_name("tag", text, MAX_TAG)
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _filters(args: argparse.Namespace) -> dict[str, Any]:
-    """The filters given (``--state``, ``--queue``, ``--task``, ``--older-than``)."""
-    return {name: getattr(args, name) for name in ("state", "queue", "task", "older_than")}
+    """The filters given (``--state``, ``--queue``, ``--task``, ``--older-than``, ``--tag``)."""
+    names = ("state", "queue", "task", "older_than", "tag")
+    return {name: getattr(args, name) for name in names}
 
 
 def _fmt_time(value: datetime | None) -> str:
@@ -92,6 +102,7 @@ def _job_dict(job: Job) -> dict[str, Any]:
         "cancel_requested_at": _fmt_time(job.cancel_requested_at),
         "wait_key": job.wait_key,
         "wait_until": _fmt_time(job.wait_until),
+        "tags": list(job.tags),
     }
 
 
@@ -128,6 +139,7 @@ def job_view(job: Job) -> list[str]:
             _fmt_time(job.cancel_requested_at) if job.cancel_requested_at else None,
         ),
         ("waits", _waits(job)),
+        ("tags", ", ".join(job.tags) if job.tags else None),
     ]
     lines = [f"job {job.id}"]
     lines += [f"  {name + ':':<14}{value}" for name, value in fields if value is not None]
@@ -226,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
                     # would break the table.
                     + (f"  [{job.last_error.splitlines()[0]}]" if job.last_error else "")
                     + (f"  (signal {job.wait_key!r})" if job.wait_key else "")
+                    + (f"  #{' #'.join(job.tags)}" if job.tags else "")
                 )
             return 0
         if args.jobs_command == "show":
@@ -272,7 +285,7 @@ def _jobs_change(args: argparse.Namespace, admin: Admin) -> int:
     if not args.all:
         raise ConfigurationError(
             f"`jobs {command}` needs a job id, or --all with filters "
-            "(--state, --queue, --task, --older-than)"
+            "(--state, --queue, --task, --older-than, --tag)"
         )
     ids = admin.job_ids(**_filters(args))  # --state completed: finished ones, in history
     if not ids:

@@ -85,7 +85,9 @@ def insert_job(
 ) -> tuple[int, bool]:
     """Insert one job; returns (id, inserted). Not inserted: a live job holds its unique
     key (or its window has not passed), and the id is that job's. ``meta``: JSON object
-    text for the job's meta column (a trace context; skiplock/tracing.py)."""
+    text for the job's meta column (a trace context; skiplock/tracing.py), to which the
+    job's tags are added."""
+    meta = params.job_meta(spec, meta)
     if spec.unique_key is None:
         cur = conn.execute(
             render(params.with_meta(enqueue.JOB_INSERT, meta), schema),
@@ -129,7 +131,7 @@ def _insert_unique_many(
     batch: Sequence[JobSpec] = specs
     while batch:
         cur = conn.execute(
-            render(params.with_meta(enqueue.JOB_INSERT_MANY_UNIQUE, meta), schema),
+            render(params.with_meta(enqueue.JOB_INSERT_MANY_UNIQUE, meta, batch), schema),
             params.many_unique_params(batch, meta),
         )
         inserted, new_plain, missing = params.inserted_by_key(batch, cur.fetchall())
@@ -173,7 +175,8 @@ def insert_jobs(
         now, after = row
         keyed = any(s.ordering_key for s in specs)
         statement = enqueue.JOB_COPY_IN_KEYED if keyed else enqueue.JOB_COPY_IN
-        with conn.cursor().copy(render(params.with_meta(statement, meta), schema)) as copy:
+        copy_in = render(params.with_meta(statement, meta, specs), schema)
+        with conn.cursor().copy(copy_in) as copy:
             for chunk in params.copy_chunks(specs, now, keyed=keyed, meta=meta):
                 copy.write(chunk)
         cur = conn.execute(render(enqueue.JOB_COPY_IDS, schema), {**table, "after": after})
@@ -244,8 +247,10 @@ def replay_jobs(conn: Conn, schema: str, ids: Sequence[int]) -> dict[int, int]:
     history (JOB_REPLAYABLE); returns {original id: the copy's id}. Other ids are left."""
     cur = conn.execute(render(admin.JOB_REPLAYABLE, schema), {"ids": list(ids)})
     copies: dict[int, int] = {}
-    for job_id, queue, task, args, priority, max_attempts, key in cur.fetchall():
-        spec = JobSpec(task, args, queue, priority, max_attempts, ordering_key=key)
+    for job_id, queue, task, args, priority, max_attempts, key, tags in cur.fetchall():
+        spec = JobSpec(
+            task, args, queue, priority, max_attempts, ordering_key=key, tags=params.tags_of(tags)
+        )
         meta = json.dumps({"replay_of": job_id})
         copies[job_id], _ = insert_job(conn, schema, spec, meta=meta)
     return copies

@@ -85,7 +85,9 @@ async def insert_job_async(
 ) -> tuple[int, bool]:
     """Insert one job; returns (id, inserted). Not inserted: a live job holds its unique
     key (or its window has not passed), and the id is that job's. ``meta``: JSON object
-    text for the job's meta column (a trace context; skiplock/tracing.py)."""
+    text for the job's meta column (a trace context; skiplock/tracing.py), to which the
+    job's tags are added."""
+    meta = params.job_meta(spec, meta)
     if spec.unique_key is None:
         cur = await conn.execute(
             render(params.with_meta(enqueue.JOB_INSERT, meta), schema),
@@ -129,7 +131,7 @@ async def _insert_unique_many_async(
     batch: Sequence[JobSpec] = specs
     while batch:
         cur = await conn.execute(
-            render(params.with_meta(enqueue.JOB_INSERT_MANY_UNIQUE, meta), schema),
+            render(params.with_meta(enqueue.JOB_INSERT_MANY_UNIQUE, meta, batch), schema),
             params.many_unique_params(batch, meta),
         )
         inserted, new_plain, missing = params.inserted_by_key(batch, await cur.fetchall())
@@ -173,7 +175,8 @@ async def insert_jobs_async(
         now, after = row
         keyed = any(s.ordering_key for s in specs)
         statement = enqueue.JOB_COPY_IN_KEYED if keyed else enqueue.JOB_COPY_IN
-        async with conn.cursor().copy(render(params.with_meta(statement, meta), schema)) as copy:
+        copy_in = render(params.with_meta(statement, meta, specs), schema)
+        async with conn.cursor().copy(copy_in) as copy:
             for chunk in params.copy_chunks(specs, now, keyed=keyed, meta=meta):
                 await copy.write(chunk)
         cur = await conn.execute(render(enqueue.JOB_COPY_IDS, schema), {**table, "after": after})
@@ -246,8 +249,10 @@ async def replay_jobs_async(conn: AsyncConn, schema: str, ids: Sequence[int]) ->
     history (JOB_REPLAYABLE); returns {original id: the copy's id}. Other ids are left."""
     cur = await conn.execute(render(admin.JOB_REPLAYABLE, schema), {"ids": list(ids)})
     copies: dict[int, int] = {}
-    for job_id, queue, task, args, priority, max_attempts, key in await cur.fetchall():
-        spec = JobSpec(task, args, queue, priority, max_attempts, ordering_key=key)
+    for job_id, queue, task, args, priority, max_attempts, key, tags in await cur.fetchall():
+        spec = JobSpec(
+            task, args, queue, priority, max_attempts, ordering_key=key, tags=params.tags_of(tags)
+        )
         meta = json.dumps({"replay_of": job_id})
         copies[job_id], _ = await insert_job_async(conn, schema, spec, meta=meta)
     return copies

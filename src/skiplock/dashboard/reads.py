@@ -24,7 +24,7 @@ from skiplock.sql import dashboard as dashboard_sql
 from skiplock.sql import periodic as periodic_sql
 from skiplock.sql import render
 from skiplock.sql import workflows as workflows_sql
-from skiplock.tasks import MAX_QUEUE_NAME, check_name
+from skiplock.tasks import MAX_QUEUE_NAME, MAX_TAG, check_name
 
 if TYPE_CHECKING:
     from skiplock.app import App
@@ -52,6 +52,7 @@ class JobFilter:
     task: str | None = None
     args_text: str | None = None
     error_type: str | None = None
+    tag: str | None = None
     time_from: datetime | None = None
     time_to: datetime | None = None
 
@@ -71,6 +72,7 @@ class JobFilter:
             "task": self.task,
             "args": self.args_text,
             "error": self.error_type,
+            "tag": self.tag,
             "from": self.time_from.isoformat() if self.time_from else None,
             "to": self.time_to.isoformat() if self.time_to else None,
         }
@@ -84,6 +86,8 @@ class JobFilter:
             "task": self.task,
             "args_text": f"%{like_escape(self.args_text)}%" if self.args_text else None,
             "error_type": self.error_type,
+            "tag": self.tag,
+            "tag_json": json.dumps([self.tag]) if self.tag else None,
             "time_from": self.time_from,
             "time_to": self.time_to,
             "before": before,
@@ -126,12 +130,19 @@ def parse_filter(params: Mapping[str, str]) -> JobFilter:
         raise FilterError(f"state={state!r} is not a job state: choose one of {', '.join(STATES)}")
     time_from = text("from")
     time_to = text("to")
+    tag = text("tag")
+    if tag is not None:
+        try:
+            check_name("tag", tag, MAX_TAG)
+        except ConfigurationError as exc:
+            raise FilterError(f"tag={tag!r}: {exc}") from None
     return JobFilter(
         state=state,
         queue=name("queue"),
         task=name("task"),
         args_text=text("args"),
         error_type=text("error"),
+        tag=tag,
         time_from=_time("from", time_from) if time_from else None,
         time_to=_time("to", time_to) if time_to else None,
     )
@@ -403,6 +414,16 @@ def _pretty_json(value: Any) -> str | None:
         return json.dumps(value, indent=2, default=str, ensure_ascii=False)
     except (RecursionError, ValueError):
         return "(nested too deep to show)"
+
+
+def job_tags(value: Any) -> list[str]:
+    """The tags of a row: its ``tags`` (a JSON array), or its meta's; only the strings in
+    it, whatever else a row written by hand holds; pure."""
+    if isinstance(value, dict):
+        value = value.get("tags")
+    if not isinstance(value, list):
+        return []
+    return [tag for tag in value if isinstance(tag, str)]
 
 
 def last_error_type(errors: Any) -> str:

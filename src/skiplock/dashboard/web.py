@@ -106,6 +106,7 @@ def _environment() -> jinja2.Environment:
     environment.filters["pretty"] = _pretty
     environment.filters["compact"] = _compact
     environment.filters["last_error_type"] = reads.last_error_type
+    environment.filters["job_tags"] = reads.job_tags
     return environment
 
 

@@ -6,12 +6,12 @@ JOB_GET = """
 SELECT id, queue, task, args, state, priority, run_at, retry_at, attempts, max_attempts,
        errors, worker_id, lease_expires_at, created_at, attempted_at,
        NULL::timestamptz AS finished_at, NULL::jsonb AS result, progress,
-       cancel_requested_at, wait_key, wait_until
+       cancel_requested_at, wait_key, wait_until, meta -> 'tags' AS tags
 FROM {jobs} WHERE id = %(id)s
 UNION ALL
 SELECT id, queue, task, args, state, priority, NULL, NULL, attempts, max_attempts,
        errors, NULL, NULL, created_at, attempted_at, finished_at, result, progress, NULL,
-       NULL, NULL
+       NULL, NULL, meta -> 'tags'
 FROM {history} WHERE id = %(id)s
 LIMIT 1
 """
@@ -23,6 +23,8 @@ WHERE (%(state)s::text IS NULL OR state = %(state)s)
   AND (%(task)s::text IS NULL OR task = %(task)s)
   AND (%(older_than)s::float8 IS NULL
        OR created_at < now() - %(older_than)s * interval '1 second')
+  AND (%(tag)s::text IS NULL
+       OR (meta ? 'tags' AND meta -> 'tags' @> %(tag_json)s::jsonb))
 """
 
 JOB_LIST = (
@@ -30,7 +32,7 @@ JOB_LIST = (
 SELECT id, queue, task, args, state, priority, run_at, retry_at, attempts, max_attempts,
        errors, worker_id, lease_expires_at, created_at, attempted_at,
        NULL::timestamptz AS finished_at, NULL::jsonb AS result, progress,
-       cancel_requested_at, wait_key, wait_until
+       cancel_requested_at, wait_key, wait_until, meta -> 'tags' AS tags
 FROM {jobs}"""
     + _JOB_FILTERS
     + """ORDER BY id
@@ -127,8 +129,10 @@ REPLAYABLE_STATES = ("completed", "cancelled")
 # keeps the original as it ended; the copy is a new job, enqueued as any other (its key's
 # line joined, its queue woken), whose meta names the original (replay_of). A unique key
 # is not copied: the replay is asked for by name, and runs even if a live job holds it.
+# Its tags are.
 JOB_REPLAYABLE = """
-SELECT id, queue, task, args::text, priority, max_attempts, ordering_key
+SELECT id, queue, task, args::text, priority, max_attempts, ordering_key,
+       CASE WHEN jsonb_typeof(meta -> 'tags') = 'array' THEN meta -> 'tags' END
 FROM {history}
 WHERE id = ANY(%(ids)s::bigint[]) AND state IN ('completed', 'cancelled')
 ORDER BY id

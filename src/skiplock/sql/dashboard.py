@@ -20,7 +20,7 @@ def _filters(time_column: str) -> str:
     live job was enqueued, when a finished one finished (the column history is
     partitioned and indexed by, so a range reads only its days). ``errors <> '[]'`` is
     implied by the error filter and written out so that the planner can use the index of
-    failed history rows (0018)."""
+    failed history rows (0018); ``meta ? 'tags'`` likewise for the tag indexes (0032)."""
     return """
 WHERE (%(state)s::text IS NULL OR state = %(state)s)
   AND (%(queue)s::text IS NULL OR queue = %(queue)s)
@@ -29,6 +29,8 @@ WHERE (%(state)s::text IS NULL OR state = %(state)s)
   AND (%(error_type)s::text IS NULL
        OR (errors <> '[]'::jsonb
            AND errors @> jsonb_build_array(jsonb_build_object('type', %(error_type)s::text))))
+  AND (%(tag)s::text IS NULL
+       OR (meta ? 'tags' AND meta -> 'tags' @> %(tag_json)s::jsonb))
   AND (%(time_from)s::timestamptz IS NULL OR {time} >= %(time_from)s)
   AND (%(time_to)s::timestamptz IS NULL OR {time} < %(time_to)s)
   AND (%(before)s::bigint IS NULL OR id < %(before)s)
@@ -45,7 +47,8 @@ def _page(select: str, time_column: str) -> str:
 JOBS_LIVE_PAGE = _page(
     """
 SELECT id, queue, task, args, state, priority, run_at, retry_at, attempts, max_attempts,
-       errors, created_at, attempted_at, NULL::timestamptz AS finished_at
+       errors, created_at, attempted_at, NULL::timestamptz AS finished_at,
+       meta -> 'tags' AS tags
 FROM {jobs}""",
     "created_at",
 )
@@ -54,7 +57,7 @@ JOBS_HISTORY_PAGE = _page(
     """
 SELECT id, queue, task, args, state, priority, NULL::timestamptz AS run_at,
        NULL::timestamptz AS retry_at, attempts, max_attempts, errors, created_at,
-       attempted_at, finished_at
+       attempted_at, finished_at, meta -> 'tags' AS tags
 FROM {history}""",
     "finished_at",
 )

@@ -187,7 +187,9 @@ _META_EDITS = {
     ),
     "JOB_INSERT_MANY_UNIQUE": (
         ("key_period)\nSELECT", "key_period, meta)\nSELECT"),
-        ("kl, kr, kp\n", "kl, kr, kp, %(meta)s::jsonb\n"),
+        ("kl, kr, kp\n", "kl, kr, kp, mt::jsonb\n"),
+        ("%(key_periods)s::float8[])", "%(key_periods)s::float8[], %(metas)s::text[])"),
+        ("ok, kl, kr, kp)", "ok, kl, kr, kp, mt)"),
     ),
     "JOB_COPY_IN": (("max_attempts)", "max_attempts, meta)"),),
     "JOB_COPY_IN_KEYED": (("key_period)", "key_period, meta)"),),

@@ -37,6 +37,7 @@ doc AS (
            coalesce(u.anyway, doc.g #>> '{{all,anyway}}') AS anyway,
            coalesce(u.up, doc.g #>> '{{all,up}}') AS up,
            coalesce(u.down, doc.g #>> '{{all,down}}') AS down,
+           coalesce(u.tg, doc.g #>> '{{all,tg}}') AS tg,
            u.n
     FROM doc,
          ROWS FROM (jsonb_array_elements_text(doc.g -> 'q'),
@@ -55,14 +56,20 @@ doc AS (
                     jsonb_array_elements_text(doc.g -> 'name'),
                     jsonb_array_elements_text(doc.g -> 'anyway'),
                     jsonb_array_elements_text(doc.g -> 'up'),
-                    jsonb_array_elements_text(doc.g -> 'down'))
+                    jsonb_array_elements_text(doc.g -> 'down'),
+                    jsonb_array_elements_text(doc.g -> 'tg'))
          WITH ORDINALITY AS u(q, t, a, p, r, d, m, ok, kl, kr, kp, w, uk, name, anyway, up, down,
-                              n)
+                              tg, n)
 )"""
 
 
 def _jobs_of_given(workflow_id: str, meta: str = "NULL") -> str:
-    """The given steps' jobs, in step order, and their ids in that order (``ids``)."""
+    """The given steps' jobs, in step order, and their ids in that order (``ids``). A
+    step's tags (tg, a JSON array) join its meta."""
+    meta = (
+        f"CASE WHEN u.tg IS NULL THEN {meta} ELSE coalesce({meta}, jsonb_build_object()) "
+        "|| jsonb_build_object('tags', u.tg::jsonb) END"
+    )
     return f"""
 inserted AS (
     INSERT INTO {{jobs}} (queue, task, args, priority, run_at, state, max_attempts,
