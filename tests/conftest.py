@@ -52,16 +52,24 @@ ON_THE_SECOND_SERVER = pytest.mark.skip(
 )
 
 
+# Suites that build servers of their own (from the PostgreSQL 15 binaries, whatever
+# SKIPLOCK_TEST_DSN names): every test of theirs is second_server, run once, in the half of
+# scripts/test that has minutes to spare.
+OWN_SERVER_SUITES = frozenset({"cluster", "failover"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests = Path(__file__).parent
     first_server = bool(os.environ.get("SKIPLOCK_TEST_DSN"))
     for item in items:
+        suite = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
+        if suite in OWN_SERVER_SUITES:
+            item.add_marker(pytest.mark.second_server)
         if first_server and item.get_closest_marker("second_server") is not None:
             item.add_marker(ON_THE_SECOND_SERVER)
-        if item.path.is_relative_to(tests):
-            suite = item.path.relative_to(tests).parts[0]
-            if suite in SERIAL_SUITES:
-                item.add_marker(pytest.mark.xdist_group(suite))
+        if suite in SERIAL_SUITES:
+            item.add_marker(pytest.mark.xdist_group(suite))
 
 
 @pytest.fixture(scope="session")
