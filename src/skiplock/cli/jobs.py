@@ -60,18 +60,14 @@ def _add_filters(parser: argparse.ArgumentParser, states: list[str] = STATES) ->
     parser.add_argument("--queue")
     parser.add_argument("--task")
     parser.add_argument("--older-than", type=seconds(), metavar="SECONDS", help="by creation time")
-    parser.add_argument("--tag", type=_tag, help="jobs with this tag (with_options(tags=...))")
-
-
-def _tag(text: str) -> str:
-    try:
-        return check_name("tag", text, MAX_TAG)
-    except ConfigurationError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    parser.add_argument("--tag", help="jobs with this tag (with_options(tags=...))")
 
 
 def _filters(args: argparse.Namespace) -> dict[str, Any]:
-    """The filters given (``--state``, ``--queue``, ``--task``, ``--older-than``, ``--tag``)."""
+    """The filters given (``--state``, ``--queue``, ``--task``, ``--older-than``, ``--tag``);
+    a tag no job can carry is refused, naming why."""
+    if args.tag is not None:
+        check_name("tag", args.tag, MAX_TAG)
     names = ("state", "queue", "task", "older_than", "tag")
     return {name: getattr(args, name) for name in names}
 
