@@ -15,7 +15,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from contextlib import contextmanager, suppress
 from datetime import UTC, datetime, timedelta
@@ -248,8 +248,8 @@ async def run_leased(
         return Completed(job.id, job.attempts, encode_result(result))
     except AttemptSuspended as suspended:  # its handler wrote that it waits or sleeps
         return Suspended(job.id, job.attempts, suspended.kind)
-    except TimeoutError:
-        exc: BaseException = JobTimeoutError(f"{job.task} exceeded its timeout")
+    except JobTimeoutError as timed_out:
+        exc: BaseException = timed_out.with_traceback(None)  # its frames are skiplock's
     except UnknownTaskError as unknown:
         log.error("job %s: %s", job.id, unknown)
         exc = unknown
@@ -275,15 +275,34 @@ async def _call_leased(
     timeout = task.options.timeout
     if task.is_async:
         coro = task.fn(**job.args)
-        # Without a timeout wait_for only awaits the coroutine: so do we, a step less.
-        return await (coro if timeout is None else asyncio.wait_for(coro, timeout))
+        return await (coro if timeout is None else within_timeout(job, coro, timeout))
     # run_in_executor does not carry context into the thread: hand it over.
-    call = partial(contextvars.copy_context().run, task.fn, **job.args)
-    if timeout is None:
-        # No timeout to count: no word back from the thread when the handler starts,
-        # which would wake the event loop once more per job.
-        return await asyncio.get_running_loop().run_in_executor(threads, call)
-    return await _in_thread_timed(job, call, threads, timeout, on_abandoned)
+    call = partial(contextvars.copy_context().run, _carrying_timeouts, task.fn, job.args)
+    try:
+        if timeout is None:
+            # No timeout to count: no word back from the thread when the handler starts,
+            # which would wake the event loop once more per job.
+            return await asyncio.get_running_loop().run_in_executor(threads, call)
+        return await _in_thread_timed(job, call, threads, timeout, on_abandoned)
+    except _ThreadTimeoutError as carried:
+        raise carried.error from None
+
+
+class _ThreadTimeoutError(Exception):
+    """A sync handler's own TimeoutError, carried out of its thread: asyncio re-creates a
+    concurrent.futures TimeoutError (which TimeoutError is) from its arguments alone,
+    dropping the traceback that says where the handler raised it."""
+
+    def __init__(self, error: TimeoutError) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+def _carrying_timeouts(fn: Callable[..., Any], args: dict[str, Any]) -> Any:
+    try:
+        return fn(**args)
+    except TimeoutError as exc:
+        raise _ThreadTimeoutError(exc) from None
 
 
 async def _in_thread_timed(
@@ -306,8 +325,8 @@ async def _in_thread_timed(
     future = loop.run_in_executor(threads, run)
     await asyncio.shield(started)
     try:
-        return await asyncio.wait_for(asyncio.shield(future), timeout)
-    except TimeoutError:
+        return await within_timeout(job, asyncio.shield(future), timeout)
+    except JobTimeoutError:
         log.warning(
             "job %s (%s) timed out; its thread cannot be stopped and is abandoned",
             job.id,
@@ -315,6 +334,20 @@ async def _in_thread_timed(
         )
         if on_abandoned is not None:
             on_abandoned(future)
+        raise
+
+
+async def within_timeout(job: ClaimedJob, awaitable: Awaitable[Any], timeout: float) -> Any:
+    """``awaitable``'s result, or JobTimeoutError once the task's ``timeout`` has passed
+    (the awaitable is cancelled). A TimeoutError the handler raises itself (a socket's,
+    an inner wait_for's) is its own failure and goes out as it was raised."""
+    window = asyncio.timeout(timeout)
+    try:
+        async with window:
+            return await awaitable
+    except TimeoutError:
+        if window.expired():
+            raise JobTimeoutError(f"{job.task} exceeded its timeout") from None
         raise
 
 
@@ -565,13 +598,6 @@ class _Batch:
         return self.running
 
 
-def _handler_error(job: ClaimedJob, exc: Exception) -> Exception:
-    """What a handler's exception is recorded as."""
-    if isinstance(exc, TimeoutError):
-        return JobTimeoutError(f"{job.task} exceeded its timeout")
-    return exc
-
-
 async def run_transactional_async(
     app: App,
     conn: psycopg.AsyncConnection[Any],
@@ -642,7 +668,9 @@ async def _attempt_async(
             if not stop.entered(job, session.cancel, batch.left):
                 raise _NotStartedError
             try:
-                result = await asyncio.wait_for(task.fn(conn, **job.args), task.options.timeout)
+                timeout = task.options.timeout
+                coro = task.fn(conn, **job.args)
+                result = await (coro if timeout is None else within_timeout(job, coro, timeout))
             except asyncio.CancelledError:
                 if not stop.was_cut:
                     raise  # not the cut's: the session itself is cancelled
@@ -663,9 +691,11 @@ async def _attempt_async(
         return None
     except Exception as failure:
         batch.handler_left()
+        if isinstance(failure, JobTimeoutError):
+            failure = failure.with_traceback(None)  # its frames are skiplock's
         if conn.broken:
-            raise _handler_error(job, failure) from None
-        return await _write_failure_async(batch, conn, _handler_error(job, failure))
+            raise failure from None
+        return await _write_failure_async(batch, conn, failure)
     batch.handler_left()
     return outcome
 

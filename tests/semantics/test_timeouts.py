@@ -184,3 +184,42 @@ def test_a_sync_job_queued_behind_an_abandoned_thread_is_not_timed_out_before_it
     job = sem.wait_for_state(second, "completed", "dead")
     assert (job.state, job.errors) == (skiplock.JobState.COMPLETED, [])
     assert calls.counts == Counter({"quick": 1})
+
+
+@pytest.mark.parametrize("mode", ["async", "sync", "sync with a timeout", "transactional"])
+def test_a_handler_s_own_timeout_error_is_recorded_as_it_was_raised(
+    sem: Sem, workers: StartWorkers, mode: str
+) -> None:
+    """A TimeoutError the handler raises itself (a socket's, an inner wait_for's) is that
+    error, with its message and traceback: not 'exceeded its timeout', which only the
+    task's own timeout= may say."""
+    message = "the payment service did not answer within 5 s"
+    options: dict[str, Any] = {"name": "call", "max_attempts": 1}
+    if mode == "sync with a timeout":
+        options["timeout"] = 30.0
+    if mode == "transactional":
+        options.update(transactional=True, timeout=30.0)
+
+    if mode in ("async", "transactional"):
+        if mode == "transactional":
+
+            @sem.app.task(**options)
+            async def call(conn: psycopg.AsyncConnection[Any]) -> None:
+                raise TimeoutError(message)
+        else:
+
+            @sem.app.task(**options, timeout=30.0)
+            async def call() -> None:
+                raise TimeoutError(message)
+    else:
+
+        @sem.app.task(**options)
+        def call() -> None:
+            raise TimeoutError(message)
+
+    job_id = sem.enqueue(call)
+    workers(1)
+    job = sem.wait_for_state(job_id, "dead")
+    (error,) = job.errors
+    assert (error["type"], error["message"]) == ("TimeoutError", message)
+    assert "raise TimeoutError(message)" in (error["traceback"] or "")
