@@ -14,6 +14,7 @@ import json
 import signal
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -386,6 +387,11 @@ def test_killed_leased_job_waits_for_its_lease_then_is_rescued_and_rerun(
         None,
     )
     assert [(e["type"], e["attempt"]) for e in row["errors"]] == [("LeaseExpired", 1)]
+    # The record names the attempt's worker and when it claimed the job (the dashboard's
+    # timeline), read from the row as the rescue found it.
+    (lost,) = row["errors"]
+    assert lost["worker"] == str(a.id)
+    assert datetime.fromisoformat(lost["claimed_at"]) <= datetime.fromisoformat(lost["at"])
 
     release(db, job, 2)
     b = spawn_worker(lease=2)

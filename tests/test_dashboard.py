@@ -24,7 +24,7 @@ from starlette.routing import Mount
 from starlette.testclient import TestClient
 
 import skiplock
-from conftest import JobFactory, StartWorker
+from conftest import JobFactory, StartWorker, wait_until
 from skiplock import client
 from skiplock.cli import main
 from skiplock.dashboard import create_app, reads, security, values
@@ -100,7 +100,7 @@ def cells(html: str, queue: str) -> dict[str, str]:
     """The counts of one queue's row on the overview."""
     row = re.search(rf'<tr data-queue="{re.escape(queue)}">(.*?)</tr>', html, re.S)
     assert row, f"no row for queue {queue}"
-    found = re.findall(r'data-count="(\w+)">(?:<a[^>]*>)?(\d+)', row[1])
+    found = re.findall(r'data-count="(\w+)">(?:<(?:a|span)[^>]*>)?(\d+)', row[1])
     return dict(found)
 
 
@@ -149,6 +149,8 @@ def test_overview_counts_each_state_per_queue(
         "blocked": "0",
         "waiting": "0",
         "dead": "4",
+        "completed_hour": "0",
+        "failed_hour": "0",
     }
     assert cells(html, "reports")["blocked"] == "1"
     emails = re.search(r'<tr data-queue="emails">(.*?)</tr>', html, re.S)
@@ -174,7 +176,47 @@ def test_overview_shows_workers_and_throughput(
     assert "default, emails" in workers[1]
     assert re.search(r'<td class="num">3</td><td class="num">0</td>', workers[1])
     assert "8 jobs in the hour; busiest minute 8" in html
-    assert html.count("<rect ") == 60
+    assert "completed 7 · " in html and "cancelled 1 · " in html
+    chart = re.search(r'<figure class="chart" id="throughput">(.*?)</figure>', html, re.S)
+    assert chart
+    assert chart[1].count('<g class="bar">') == 60
+    # One minute held all eight: one stack of a completed and a cancelled part.
+    assert chart[1].count('<rect class="completed"') == 1
+    assert chart[1].count('<rect class="cancelled"') == 1
+    # A count axis up to a round number at or above the peak, and a time axis.
+    y_labels = re.findall(r'<text x="37"[^>]*>(\d+)</text>', chart[1])
+    assert y_labels == ["0", "2", "4", "6", "8"]
+    x_labels = re.findall(r'text-anchor="middle">(\d\d:\d0)</text>', chart[1])
+    assert len(x_labels) == 6 and sorted(set(x_labels)) == sorted(x_labels)
+    assert "jobs / min" in chart[1]
+
+
+def test_overview_counts_each_queue_s_last_hour_and_totals(
+    app: skiplock.App, make_job: JobFactory, web: TestClient
+) -> None:
+    add_history(app, queue="emails")
+    add_history(app, queue="emails")
+    add_history(app, queue="emails", state="cancelled")
+    add_history(app, queue="emails", finished_at=datetime.now(UTC) - timedelta(hours=2))
+    add_history(app, queue="archive")  # a queue with no live job left
+    now = datetime.now(UTC)
+    failed = make_job(queue="emails", state="dead", attempts=3)
+    make_job(queue="emails", state="retryable", attempts=1)
+    make_job(queue="reports")
+    with app.connect() as conn:
+        conn.execute(f"UPDATE {SCHEMA}.jobs SET attempted_at = %s WHERE id = %s", (now, failed))
+        conn.commit()
+
+    html = web.get("/").text
+
+    emails = cells(html, "emails")
+    assert (emails["completed_hour"], emails["failed_hour"]) == ("2", "1")
+    assert cells(html, "archive")["completed_hour"] == "1"
+    assert cells(html, "reports")["failed_hour"] == "0"
+    totals = dict(re.findall(r'data-total="(\w+)">(\d+)<', html))
+    assert totals["available"] == "1" and totals["dead"] == "1"
+    assert totals["retryable"] == "1"
+    assert (totals["completed_hour"], totals["failed_hour"]) == ("3", "1")
 
 
 def test_overview_lists_a_paused_queue_without_jobs(app: skiplock.App, web: TestClient) -> None:
@@ -280,6 +322,47 @@ def test_jobs_are_found_by_tag_live_and_finished_and_show_their_tags(
     bad = web.get("/jobs?tag=has%20space")
     assert bad.status_code == 400
     assert "tag=&#39;has space&#39;" in bad.text
+
+
+def test_a_job_that_failed_once_shows_each_attempt_its_worker_and_its_times(
+    app: skiplock.App, web: TestClient, start_worker: StartWorker
+) -> None:
+    calls: list[int] = []
+
+    @app.task(name="shop.flaky", retry=skiplock.RetryPolicy(base=0.01, cap=0.01, jitter=0.0))
+    def flaky() -> str:
+        calls.append(1)
+        skiplock.set_progress({"done": 3, "of": 4})
+        if len(calls) == 1:
+            raise TimeoutError("the first try times out")
+        return "ok"
+
+    with app.connect() as conn:
+        job_id = int(flaky.enqueue(conn))
+        conn.commit()
+    worker = start_worker(app).worker
+
+    def finished() -> bool:
+        with app.connect() as conn:
+            return client.get_job(conn, app.schema, job_id).state == "completed"
+
+    wait_until(finished, 20, "the job to complete on its second attempt")
+    with app.connect() as conn:
+        (failure,) = client.get_job(conn, app.schema, job_id).errors
+    assert failure["worker"] == str(worker.id)
+    assert datetime.fromisoformat(failure["claimed_at"]) <= datetime.fromisoformat(failure["at"])
+
+    page = web.get(f"/jobs/{job_id}").text
+    short = str(worker.id)[:8]
+    assert f"attempt 1 claimed by worker {short}" in page
+    assert "attempt 1 failed: TimeoutError" in page
+    assert f"attempt 2 claimed by worker {short}" in page
+    assert f"worker <code>{worker.id}</code>" in page
+    assert re.search(r'<dd id="job-waited">\d+\.\d s</dd>', page)
+    assert re.search(r'<dd id="job-ran">\d+\.\d s</dd>', page)
+    assert '<progress id="progress-bar" max="1" value="0.75"></progress> 75%' in page
+    row = re.search(rf'<tr data-job="{job_id}">(.*?)</tr>', web.get("/jobs").text, re.S)
+    assert row and re.search(r"<td class=\"num\" data-ran>\d+\.\d s</td>", row[1])
 
 
 def test_jobs_bad_filters_are_named(web: TestClient) -> None:
@@ -857,6 +940,97 @@ def test_error_entries_show_whatever_was_stored() -> None:
     assert reads.error_entries({"type": "Alone"})[0]["type"] == "Alone"
     assert reads.last_error_type([ERROR, {"message": "m"}]) == "?"
     assert reads.last_error_type(42) == "?" and reads.last_error_type([]) == ""
+
+
+def test_the_timeline_shows_each_attempt_claimed_by_its_worker_and_its_end() -> None:
+    t0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+    job: dict[str, Any] = {
+        "created_at": t0,
+        "run_at": t0,
+        "state": "completed",
+        "attempts": 2,
+        "attempted_at": t0 + timedelta(seconds=40),
+        "worker_ids": ["aaaaaaaa-1111", "bbbbbbbb-2222"],
+        "worker_id": None,
+        "finished_at": t0 + timedelta(seconds=45),
+        "errors": [
+            {
+                "attempt": 1,
+                "at": (t0 + timedelta(seconds=12)).isoformat(),
+                "type": "TimeoutError",
+                "worker": "aaaaaaaa-1111",
+                "claimed_at": (t0 + timedelta(seconds=2)).isoformat(),
+            },
+            # Written before attempts recorded their worker: its end alone.
+            {"attempt": 0, "at": "not a time", "type": "Old"},
+        ],
+    }
+    assert [(at - t0).total_seconds() for at, _ in reads.timeline(job)] == [0, 2, 12, 40, 45]
+    assert [what for _, what in reads.timeline(job)] == [
+        "enqueued",
+        "attempt 1 claimed by worker aaaaaaaa",
+        "attempt 1 failed: TimeoutError",
+        "attempt 2 claimed by worker bbbbbbbb",
+        "completed",
+    ]
+    # A dead job's last attempt is claimed once, not once from its error and once more.
+    dead = job | {
+        "state": "dead",
+        "attempts": 1,
+        "attempted_at": t0 + timedelta(seconds=2),
+        "finished_at": None,
+        "errors": job["errors"][:1],
+    }
+    assert [what for _, what in reads.timeline(dead)].count(
+        "attempt 1 claimed by worker aaaaaaaa"
+    ) == 1
+
+
+def test_durations_wait_from_when_due_and_run_from_the_last_claim() -> None:
+    t0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+    now = t0 + timedelta(minutes=10)
+    base = {"created_at": t0, "run_at": None, "started_at": None, "attempted_at": None}
+    assert reads.durations(base | {"state": "available"}, now) == (None, None)
+    finished = base | {
+        "state": "completed",
+        "started_at": t0 + timedelta(seconds=3),
+        "attempted_at": t0 + timedelta(seconds=3),
+        "finished_at": t0 + timedelta(seconds=8),
+    }
+    assert reads.durations(finished, now) == (3.0, 5.0)
+    # Due later than enqueued: the wait counts from the run time.
+    scheduled = finished | {"run_at": t0 + timedelta(seconds=2)}
+    assert reads.durations(scheduled, now) == (1.0, 5.0)
+    # A run time set after the first start (a snooze): the wait counts from the enqueue.
+    snoozed = finished | {"run_at": t0 + timedelta(seconds=60)}
+    assert reads.durations(snoozed, now) == (3.0, 5.0)
+    running = finished | {"state": "running", "finished_at": None}
+    assert reads.durations(running, now) == (3.0, 597.0)
+    failed = running | {
+        "state": "dead",
+        "errors": [{"at": (t0 + timedelta(seconds=9)).isoformat()}],
+    }
+    assert reads.durations(failed, now) == (3.0, 6.0)
+
+
+@pytest.mark.parametrize(
+    ("progress", "fraction"),
+    [
+        ({"done": 40, "of": 100}, 0.4),
+        ({"current": 3, "total": 4}, 0.75),
+        ({"percent": 12.5}, 0.125),
+        (0.5, 0.5),
+        ({"done": 5, "of": 0}, None),
+        ({"done": 150, "of": 100}, 1.0),
+        ({"step": 3}, None),
+        (7, None),
+        (True, None),
+        ("half", None),
+        ({"done": float("nan"), "of": 2}, None),
+    ],
+)
+def test_progress_as_a_fraction_when_it_says_how_far(progress: Any, fraction: float | None) -> None:
+    assert reads.progress_fraction(progress) == fraction
 
 
 def test_host_names_and_origins() -> None:

@@ -230,11 +230,15 @@ def test_a_dead_job_retried_from_its_page_completes(
         return {"charged": order_id}
 
     # A believable history for the README's screenshot: enqueued ten minutes ago, then
-    # three attempts that timed out, the last one leaving the job dead.
+    # three attempts on two workers, each timed out after 20 s, the last one leaving the
+    # job dead.
     now = datetime.now(UTC)
+    workers = ["3f2a9c41-7d0e-4b8a-9a55-0c1d2e3f4a5b", "b81c07de-2f64-4e1a-8c3b-5d6e7f8091a2"]
     errors = [
         {
             "attempt": attempt,
+            "worker": workers[attempt % 2],
+            "claimed_at": (now - timedelta(minutes=10 - 3 * attempt, seconds=20)).isoformat(),
             "at": (now - timedelta(minutes=10 - 3 * attempt)).isoformat(),
             "type": "TimeoutError",
             "message": "the payment service did not answer",
@@ -249,15 +253,25 @@ def test_a_dead_job_retried_from_its_page_completes(
     )
     with psycopg.connect(app.database_url, autocommit=True) as conn:
         conn.execute(
-            sql.SQL("UPDATE {} SET created_at = %s WHERE id = %s").format(
-                sql.Identifier(app.schema, "jobs")
+            sql.SQL(
+                "UPDATE {} SET created_at = %s, run_at = %s, started_at = %s, attempted_at = %s "
+                "WHERE id = %s"
+            ).format(sql.Identifier(app.schema, "jobs")),
+            (
+                now - timedelta(minutes=10),
+                now - timedelta(minutes=10),
+                datetime.fromisoformat(str(errors[0]["claimed_at"])),
+                datetime.fromisoformat(str(errors[-1]["claimed_at"])),
+                dead,
             ),
-            (now - timedelta(minutes=10), dead),
         )
     server = serve()
 
     page.goto(f"{server.url}/jobs/{dead}")
     expect(page.locator("#job-state")).to_have_text("dead")
+    expect(page.locator(".timeline")).to_contain_text("attempt 2 claimed by worker 3f2a9c41")
+    expect(page.locator("#job-ran")).to_have_text("20.0 s")  # the last attempt's
+    expect(page.locator("#job-waited")).to_have_text("2.7 min")  # to the first claim
     screenshot(page, "job-dead")
     page.click("#retry")
     expect(page.locator(".notice")).to_contain_text(f"job {dead}: retry done")

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -231,8 +232,15 @@ def queue_counts(conn: Conn, schema: str) -> list[dict[str, Any]]:
         return cur.execute(render(dashboard_sql.QUEUE_COUNTS, schema)).fetchall()
 
 
+def queue_last_hour(conn: Conn, schema: str) -> list[dict[str, Any]]:
+    """Per queue: jobs completed, cancelled and failed in the last hour."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(render(dashboard_sql.QUEUE_LAST_HOUR, schema)).fetchall()
+
+
 # A queue with settings but no jobs (paused while empty) still gets its row.
-_NO_JOBS: dict[str, Any] = dict.fromkeys((*LIVE_STATES, "workers"), 0) | {
+HOUR_COUNTS = ("completed_hour", "cancelled_hour", "failed_hour")
+_NO_JOBS: dict[str, Any] = dict.fromkeys((*LIVE_STATES, "workers", *HOUR_COUNTS), 0) | {
     "oldest_ready_seconds": None
 }
 
@@ -247,18 +255,25 @@ def _settable(queue: str) -> bool:
     return True
 
 
-def queue_rows(stats: list[dict[str, Any]], settings: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The overview's rows of one database: each queue with jobs or settings, its counts
-    and its pause and limits; pure."""
+def queue_rows(
+    stats: list[dict[str, Any]],
+    settings: list[dict[str, Any]],
+    hour: Sequence[Mapping[str, Any]] = (),
+) -> list[dict[str, Any]]:
+    """The overview's rows of one database: each queue with jobs, settings or jobs that
+    finished in the last hour, its counts, its last hour and its pause and limits; pure."""
     by_queue = {row["queue"]: row for row in stats}
     by_name = {row["name"]: row for row in settings}
+    by_hour = {row["queue"]: row for row in hour}
     rows = []
-    for name in sorted(set(by_queue) | set(by_name)):
+    for name in sorted(set(by_queue) | set(by_name) | set(by_hour)):
         # A queue name skiplock would refuse (written by hand, say with a "/") is shown
         # without actions: pause and limits take only names check_name accepts, and a
         # URL path cannot carry "." or "..".
         settable = _settable(name)
         row: dict[str, Any] = {**_NO_JOBS, "queue": name, **by_queue.get(name, {})}
+        for count in HOUR_COUNTS:
+            row[count] = int(by_hour.get(name, {}).get(count) or 0)
         setting = by_name.get(name, {})
         row["paused"] = bool(setting.get("paused"))
         row["concurrency_limit"] = setting.get("concurrency_limit")
@@ -267,6 +282,14 @@ def queue_rows(stats: list[dict[str, Any]], settings: list[dict[str, Any]]) -> l
         row["settable"] = settable
         rows.append(row)
     return rows
+
+
+TOTALLED = (*LIVE_STATES, *HOUR_COUNTS)
+
+
+def queue_totals(rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """The overview's totals row: each count summed over every queue shown; pure."""
+    return {name: sum(int(row.get(name) or 0) for row in rows) for name in TOTALLED}
 
 
 def database_now(conn: Conn, schema: str) -> datetime:
@@ -281,27 +304,72 @@ def database_now(conn: Conn, schema: str) -> datetime:
 
 @dataclass(frozen=True)
 class Bar:
+    """One minute: its completed jobs stacked under its cancelled ones (SVG coordinates:
+    ``y`` the top of the stack, ``split`` where completed ends)."""
+
     x: float
-    height: float
+    y: float
+    split: float
     minute: datetime
     completed: int
     cancelled: int
 
 
 @dataclass(frozen=True)
+class Tick:
+    at: float  # x for the time axis, y for the count axis
+    label: str
+
+
+@dataclass(frozen=True)
 class Chart:
-    """Sixty bars, one per minute, as SVG coordinates in a 600 x 120 box."""
+    """Sixty bars, one per minute, in a plot area of ``plot_width`` x ``plot_height`` whose
+    top left corner is (``left``, ``top``), a count axis on the left and a time axis
+    (UTC) below, in an SVG box of ``width`` x ``height``."""
 
     bars: list[Bar]
     peak: int
     total: int
-    width: int = 600
-    height: int = 120
-    bar_width: float = field(default=9.0)
+    completed: int
+    cancelled: int
+    y_ticks: list[Tick]
+    x_ticks: list[Tick]
+    left: int = 44
+    top: int = 8
+    plot_width: int = 600
+    plot_height: int = 120
+    bar_width: float = 9.0
+
+    @property
+    def width(self) -> int:
+        return self.left + self.plot_width + 8
+
+    @property
+    def height(self) -> int:
+        return self.top + self.plot_height + 26
+
+    @property
+    def bottom(self) -> int:
+        return self.top + self.plot_height
+
+
+def _count_ticks(peak: int) -> list[int]:
+    """Round counts from 0 to the first at or above ``peak``, 1, 2 or 5 times a power of
+    ten apart, at most five of them: 0, 5, 10, 15 for a peak of 12."""
+    if peak <= 0:
+        return [0]
+    magnitude = 1
+    while True:
+        for step in (magnitude, 2 * magnitude, 5 * magnitude):
+            if peak <= 4 * step:
+                top = -(-peak // step) * step
+                return list(range(0, top + 1, step))
+        magnitude *= 10
 
 
 def throughput_chart(rows: Sequence[Mapping[str, Any]], now: datetime) -> Chart:
-    """Lay out finished jobs per minute for the hour up to ``now``; pure."""
+    """Lay out finished jobs per minute for the hour up to ``now``: bars, a count axis
+    with round ticks and a time axis marked every ten minutes (UTC); pure."""
     end = now.astimezone(UTC).replace(second=0, microsecond=0)
     minutes = [end - timedelta(minutes=59 - n) for n in range(60)]
     completed = dict.fromkeys(minutes, 0)
@@ -312,13 +380,31 @@ def throughput_chart(rows: Sequence[Mapping[str, Any]], now: datetime) -> Chart:
             target = completed if row["state"] == "completed" else cancelled
             target[minute] += int(row["jobs"])
     peak = max([completed[m] + cancelled[m] for m in minutes] + [0])
-    chart = Chart(bars=[], peak=peak, total=sum(completed.values()) + sum(cancelled.values()))
+    counts = _count_ticks(peak)
+    scale_top = counts[-1]
+    chart = Chart(
+        bars=[],
+        peak=peak,
+        total=sum(completed.values()) + sum(cancelled.values()),
+        completed=sum(completed.values()),
+        cancelled=sum(cancelled.values()),
+        y_ticks=[],
+        x_ticks=[],
+    )
+
+    def y(count: int) -> float:
+        return round(chart.bottom - (count / scale_top * chart.plot_height if scale_top else 0), 1)
+
     bars = []
+    x_ticks = []
     for n, minute in enumerate(minutes):
-        count = completed[minute] + cancelled[minute]
-        height = 0.0 if peak == 0 else round(count / peak * (chart.height - 10), 1)
-        bars.append(Bar(n * 10.0, height, minute, completed[minute], cancelled[minute]))
-    return replace(chart, bars=bars)
+        x = chart.left + n * 10.0
+        done, gone = completed[minute], cancelled[minute]
+        bars.append(Bar(x, y(done + gone), y(done), minute, done, gone))
+        if minute.minute % 10 == 0:
+            x_ticks.append(Tick(x + chart.bar_width / 2, minute.strftime("%H:%M")))
+    y_ticks = [Tick(y(count), str(count)) for count in counts]
+    return replace(chart, bars=bars, x_ticks=x_ticks, y_ticks=y_ticks)
 
 
 def throughput_rows(conn: Conn, schema: str) -> list[dict[str, Any]]:
@@ -397,6 +483,9 @@ def error_entries(errors: Any) -> list[dict[str, Any]]:
             {
                 "attempt": _shown(fields.get("attempt")) or "?",
                 "at": _shown(fields.get("at")) or "?",
+                "at_time": moment(fields.get("at")),
+                "worker": _shown(fields.get("worker")),
+                "claimed_at": moment(fields.get("claimed_at")),
                 "type": _shown(fields.get("type")) or "?",
                 "message": _shown(fields.get("message")),
                 "lines": traceback_lines(
@@ -405,6 +494,18 @@ def error_entries(errors: Any) -> list[dict[str, Any]]:
             }
         )
     return shown
+
+
+def moment(value: Any) -> datetime | None:
+    """A time stored as ISO 8601 text in a JSON record (UTC when it names no zone), or
+    None when it is not one; pure."""
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
 def _pretty_json(value: Any) -> str | None:
@@ -460,22 +561,27 @@ def traceback_lines(text: str | None) -> list[tuple[str, bool]]:
 # -- the timeline of one job ---------------------------------------------------------------
 
 
+def _by(worker: Any) -> str:
+    return f" by worker {str(worker)[:8]}" if worker else ""
+
+
 def timeline(job: Mapping[str, Any]) -> list[tuple[datetime, str]]:
-    """Enqueued, each failed attempt, the last start, each durable step recorded, a wait
-    for a signal, and the end, in time order; pure."""
+    """Enqueued, each attempt's claim (and worker) and end, the last attempt's claim, each
+    durable step recorded, a wait for a signal, and the end, in time order; pure."""
     events: list[tuple[datetime, str]] = [(job["created_at"], "enqueued")]
     if job.get("run_at") and job["run_at"] > job["created_at"]:
         events.append((job["run_at"], "due"))
     for error in error_entries(job.get("errors")):
-        try:
-            moment = datetime.fromisoformat(error["at"])
-        except ValueError:
-            continue  # "?", or text that is not a time: the error still shows below
-        if moment.tzinfo is None:
-            moment = moment.replace(tzinfo=UTC)
-        events.append((moment, f"attempt {error['attempt']} failed: {error['type']}"))
-    if job.get("attempted_at"):
-        events.append((job["attempted_at"], f"attempt {job['attempts']} started"))
+        attempt = error["attempt"]
+        if error["claimed_at"] is not None:
+            events.append((error["claimed_at"], f"attempt {attempt} claimed{_by(error['worker'])}"))
+        if error["at_time"] is not None:  # else the error still shows below
+            events.append((error["at_time"], f"attempt {attempt} failed: {error['type']}"))
+    claimed = {event for event, what in events if " claimed" in what}
+    if job.get("attempted_at") and job["attempted_at"] not in claimed:
+        workers = job.get("worker_ids") or []
+        worker = job.get("worker_id") or (workers[-1] if workers else None)
+        events.append((job["attempted_at"], f"attempt {job['attempts']} claimed{_by(worker)}"))
     if job.get("retry_at") and job["state"] == "retryable":
         events.append((job["retry_at"], "retry due"))
     if job.get("cancel_requested_at"):
@@ -490,6 +596,55 @@ def timeline(job: Mapping[str, Any]) -> list[tuple[datetime, str]]:
         events.append((job["finished_at"], str(job["state"])))
     events.sort(key=lambda event: event[0])
     return events
+
+
+def durations(job: Mapping[str, Any], now: datetime) -> tuple[float | None, float | None]:
+    """(waited, ran) in seconds, None where not known (yet). Waited: from when the job was
+    due (its run time when later than its enqueue; history keeps only the enqueue) to its
+    first start. Ran: its last attempt, from its claim to its end (finished, or failed),
+    or to ``now`` while it runs; pure."""
+    due = job["created_at"]
+    started = job.get("started_at")
+    run_at = job.get("run_at")
+    # A run time past the first start was set since (a snooze, a retry by hand): the
+    # wait counts from the enqueue.
+    if run_at is not None and due < run_at and (started is None or run_at <= started):
+        due = run_at
+    waited = max(0.0, (started - due).total_seconds()) if started is not None else None
+    claimed = job.get("attempted_at")
+    end = job.get("finished_at")
+    if end is None and job.get("state") == "running":
+        end = now
+    elif end is None and job.get("state") in ("dead", "retryable"):
+        failures = error_entries(job.get("errors"))
+        end = failures[-1]["at_time"] if failures else None
+    ran = (end - claimed).total_seconds() if claimed is not None and end is not None else None
+    return waited, (max(0.0, ran) if ran is not None else None)
+
+
+def progress_fraction(progress: Any) -> float | None:
+    """How far a job's progress says it is, from 0 to 1, when it says so in a form the
+    page can draw: {"done": n, "of": m} (or "current"/"total"), {"percent": p}, or a
+    number from 0 to 1. None for anything else (the value is still shown); pure."""
+
+    def number(value: Any) -> float | None:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return float(value) if ok and math.isfinite(value) else None
+
+    fraction: float | None = None
+    if isinstance(progress, dict):
+        for done_key, total_key in (("done", "of"), ("current", "total")):
+            done, total = number(progress.get(done_key)), number(progress.get(total_key))
+            if done is not None and total is not None and total > 0:
+                fraction = done / total
+                break
+        else:
+            percent = number(progress.get("percent"))
+            fraction = percent / 100 if percent is not None else None
+    else:
+        value = number(progress)
+        fraction = value if value is not None and 0 <= value <= 1 else None
+    return None if fraction is None else min(1.0, max(0.0, fraction))
 
 
 # -- workflows ----------------------------------------------------------------------------

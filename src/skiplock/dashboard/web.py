@@ -107,6 +107,8 @@ def _environment() -> jinja2.Environment:
     environment.filters["compact"] = _compact
     environment.filters["last_error_type"] = reads.last_error_type
     environment.filters["job_tags"] = reads.job_tags
+    environment.filters["durations"] = reads.durations
+    environment.filters["progress_fraction"] = reads.progress_fraction
     return environment
 
 
@@ -570,6 +572,7 @@ class Pages:
                 return {
                     "now": reads.database_now(conn, schema),
                     "stats": reads.queue_counts(conn, schema),
+                    "hour": reads.queue_last_hour(conn, schema),
                     "settings": admin.queue_settings(),
                     "busy": dict(conn.execute(render(dashboard_sql.WORKER_BUSY, schema))),
                     "workers": admin.workers(),
@@ -582,7 +585,7 @@ class Pages:
             found = await self.read(request, database, reading(database))
             now = now or found["now"]
             where = {"db": database.index, "database": database.label}
-            rows = reads.queue_rows(found["stats"], found["settings"])
+            rows = reads.queue_rows(found["stats"], found["settings"], found["hour"])
             queues += [{**row, **where} for row in rows]
             for worker in found["workers"]:
                 workers.append({**worker, **where, "busy": found["busy"].get(worker["id"], 0)})
@@ -593,6 +596,7 @@ class Pages:
             "queues": queues,
             "workers": workers,
             "chart": reads.throughput_chart(finished, now),
+            "totals": reads.queue_totals(queues),
         }
         return self.render(request, "overview.html", "overview_body.html", context)
 
@@ -602,10 +606,13 @@ class Pages:
         before = reads.parse_before(request.query_params.get("before"))
         database = self.database(request, queue=where.queue)
 
-        def work(conn: psycopg.Connection[Any]) -> reads.Page:
-            return reads.jobs_page(conn, dashboard.schema, where, before, reads.PAGE_SIZE)
+        def work(conn: psycopg.Connection[Any]) -> tuple[reads.Page, datetime]:
+            return (
+                reads.jobs_page(conn, dashboard.schema, where, before, reads.PAGE_SIZE),
+                reads.database_now(conn, dashboard.schema),
+            )
 
-        page = await self.read(request, database, work)
+        page, now = await self.read(request, database, work)
         query = where.query()
         next_url = (
             self.link(request, "jobs", {**query, "before": page.next_before}, db=database.index)
@@ -626,6 +633,7 @@ class Pages:
                 "first_url": first_url,
                 "bulk_limit": reads.BULK_LIMIT,
                 "database": database,
+                "now": now,
             },
         )
 

@@ -12,7 +12,12 @@ re-run elsewhere: the stale attempt must not overwrite it.
 """
 
 from skiplock.sql.fence import HELD_IDS
-from skiplock.sql.maintenance import HISTORY_COLUMNS, NOTIFY_MOVED, cancelled_into_history
+from skiplock.sql.maintenance import (
+    ATTEMPT_FACTS,
+    HISTORY_COLUMNS,
+    NOTIFY_MOVED,
+    cancelled_into_history,
+)
 
 # ROBUST_LOOKUP: no statement here joins jobs to the batch. A join's plan depends on the
 # statistics, and a queue table is analyzed while it holds a few live rows among many dead
@@ -61,7 +66,9 @@ RETURNING id
 # A failed attempt: retryable until retry_at (now + delay), or dead. run_at is left alone:
 # it is the job's place in line. Even with no delay the job goes through the promoter,
 # whose notification rewinds claim cursors to its (older) place. The lease is
-# dropped either way; the error is appended so every attempt's failure is kept.
+# dropped either way; the error is appended so every attempt's failure is kept, with the
+# worker that ran the attempt and when it claimed it (ATTEMPT_FACTS), read from the row the
+# fence has just matched.
 JOB_FAIL_MANY_IF_LEASED = (
     """
 UPDATE {jobs} AS j
@@ -69,7 +76,10 @@ SET state = CASE WHEN (%(batch)s::jsonb -> j.id::text -> 'dead')::boolean THEN '
                  ELSE 'retryable' END,
     retry_at = now()
                + (%(batch)s::jsonb -> j.id::text ->> 'delay')::float8 * interval '1 second',
-    errors = j.errors || jsonb_build_array(%(batch)s::jsonb -> j.id::text -> 'error'),
+    errors = j.errors || jsonb_build_array((%(batch)s::jsonb -> j.id::text -> 'error')
+                                           || """
+    + ATTEMPT_FACTS
+    + """),
 """
     + _ATTEMPT_LEFT
 )
@@ -231,7 +241,9 @@ JOB_RELEASE_MANY_IF_LEASED = _handed_back(
             'at', now(),
             'type', 'WorkerShutdown',
             'message', 'worker stopped before the job finished; the attempt is not counted',
-            'traceback', NULL))""",
+            'traceback', NULL) || """
+    + ATTEMPT_FACTS
+    + ")",
 )
 
 # A job claimed ahead that never started goes back, from the worker that holds it: it
@@ -255,7 +267,8 @@ JOB_GIVE_BACK_UNSTARTED = _handed_back(
                           'at', now(),
                           'type', 'WorkerShutdown',
                           'message', %(note)s::text,
-                          'traceback', NULL)) END""",
+                          'traceback', NULL,
+                          'worker', j.worker_id)) END""",
 )
 
 # A transactional handler's time limit: the server ends a session left idle inside its
@@ -316,16 +329,20 @@ SELECT pg_backend_pid() = ANY(pg_blocking_pids(%(watcher)s))
 # Lease mode, one row: an outcome whose write was refused for that row alone (a value
 # PostgreSQL would not take) becomes a failed attempt with the reason. Dead once its
 # attempts are used up, decided here where max_attempts is known. Fenced as the others.
-JOB_FAIL_UNSTORABLE_IF_LEASED = """
+JOB_FAIL_UNSTORABLE_IF_LEASED = (
+    """
 UPDATE {jobs} AS j
 SET state = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'retryable' END,
     retry_at = now() + %(delay)s * interval '1 second',
-    errors = j.errors || jsonb_build_array(%(error)s::jsonb),
+    errors = j.errors || jsonb_build_array(%(error)s::jsonb || """
+    + ATTEMPT_FACTS
+    + """),
     worker_id = NULL,
     lease_expires_at = NULL
 WHERE j.id = %(id)s AND j.attempts = %(attempt)s AND j.worker_id = %(worker_id)s
 RETURNING j.id
 """
+)
 
 # Worker connections commit claims, heartbeats and maintenance without waiting for the WAL
 # flush (see DURABLE_COMMIT_OFF's comment); outcomes are written with it back on.

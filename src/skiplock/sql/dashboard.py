@@ -48,7 +48,7 @@ JOBS_LIVE_PAGE = _page(
     """
 SELECT id, queue, task, args, state, priority, run_at, retry_at, attempts, max_attempts,
        errors, created_at, attempted_at, NULL::timestamptz AS finished_at,
-       meta -> 'tags' AS tags
+       meta -> 'tags' AS tags, started_at
 FROM {jobs}""",
     "created_at",
 )
@@ -57,7 +57,7 @@ JOBS_HISTORY_PAGE = _page(
     """
 SELECT id, queue, task, args, state, priority, NULL::timestamptz AS run_at,
        NULL::timestamptz AS retry_at, attempts, max_attempts, errors, created_at,
-       attempted_at, finished_at, meta -> 'tags' AS tags
+       attempted_at, finished_at, meta -> 'tags' AS tags, started_at
 FROM {history}""",
     "finished_at",
 )
@@ -110,6 +110,28 @@ FROM {history}
 WHERE finished_at >= date_trunc('minute', now()) - interval '59 minutes'
 GROUP BY 1, 2
 ORDER BY 1
+"""
+
+# The overview's last hour per queue: jobs completed and cancelled (history, finished in
+# the hour: only its partitions are read), and jobs whose latest attempt, claimed in the
+# hour, failed (live: retryable or dead now). Nothing here parses a stored record, so a
+# row written by hand cannot break the page.
+QUEUE_LAST_HOUR = """
+SELECT queue, sum(completed)::bigint AS completed_hour,
+       sum(cancelled)::bigint AS cancelled_hour, sum(failed)::bigint AS failed_hour
+FROM (
+    SELECT queue, count(*) FILTER (WHERE state = 'completed') AS completed,
+           count(*) FILTER (WHERE state = 'cancelled') AS cancelled, 0 AS failed
+    FROM {history}
+    WHERE finished_at >= now() - interval '1 hour'
+    GROUP BY queue
+    UNION ALL
+    SELECT queue, 0, 0, count(*)
+    FROM {jobs}
+    WHERE state IN ('retryable', 'dead') AND attempted_at >= now() - interval '1 hour'
+    GROUP BY queue
+) AS hour
+GROUP BY queue
 """
 
 # The database's clock, so the chart's minutes and "ago" figures agree with the rows.

@@ -56,6 +56,13 @@ RETURNING id
 _NEVER_STARTED = "(claimed_ahead AND coalesce(errors -> -1 ->> 'counted', '') <> 'false')"
 
 
+# What an attempt's error record says of the attempt itself, from the row as the write
+# that ends the attempt finds it: the worker that held it and when that worker claimed it
+# (attempted_at; a job claimed ahead starts a moment later). The dashboard's timeline
+# shows each attempt's claim, worker and end.
+ATTEMPT_FACTS = "jsonb_build_object('worker', j.worker_id, 'claimed_at', j.attempted_at)"
+
+
 def _rescued_columns(kind: str, why: str) -> str:
     """The SET list of a rescue: the attempt counted, or given back to a job that never
     started, and an error record that says which."""
@@ -76,7 +83,9 @@ def _rescued_columns(kind: str, why: str) -> str:
             'at', now(),
             'type', '{kind}',
             'message', {why} || '; job rescued',
-            'traceback', NULL) END),
+            'traceback', NULL,
+            'worker', worker_id,
+            'claimed_at', attempted_at) END),
     claimed_ahead = false,
     worker_id = NULL,
     lease_expires_at = NULL"""
