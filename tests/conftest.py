@@ -52,10 +52,12 @@ ON_THE_SECOND_SERVER = pytest.mark.skip(
 )
 
 
-# Suites that build servers of their own (from the PostgreSQL 15 binaries, whatever
-# SKIPLOCK_TEST_DSN names): every test of theirs is second_server, run once, in the half of
-# scripts/test that has minutes to spare.
-OWN_SERVER_SUITES = frozenset({"cluster", "failover"})
+# Long suites whose outcome does not depend on the server's version: cluster and failover
+# build servers of their own (from the PostgreSQL 15 binaries, whatever SKIPLOCK_TEST_DSN
+# names), chaos drives worker processes against the test database or a private server.
+# Their tests are second_server, run once, in the half of scripts/test that would
+# otherwise end minutes before the other; those marked server_version still run on both.
+SECOND_SERVER_SUITES = frozenset({"cluster", "failover", "chaos"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by marker
@@ -64,7 +66,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     first_server = bool(os.environ.get("SKIPLOCK_TEST_DSN"))
     for item in items:
         suite = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
-        if suite in OWN_SERVER_SUITES:
+        if suite in SECOND_SERVER_SUITES and item.get_closest_marker("server_version") is None:
             item.add_marker(pytest.mark.second_server)
         if first_server and item.get_closest_marker("second_server") is not None:
             item.add_marker(ON_THE_SECOND_SERVER)
