@@ -155,7 +155,8 @@ def _next_tick(entry: Periodic, after: datetime) -> datetime | None:
 
 
 def _description(entry: Periodic, next_tick: datetime | None) -> dict[str, Any]:
-    """What PERIODIC_START, _ADVANCE and _DESCRIBE write of ``entry`` (migration 0030)."""
+    """What PERIODIC_START, _ADVANCE and _DESCRIBE write of ``entry`` (migrations 0030,
+    0033)."""
     spec = entry.task.with_options().job(**entry.args)
     return {
         "expression": entry.schedule.expression,
@@ -166,6 +167,7 @@ def _description(entry: Periodic, next_tick: datetime | None) -> dict[str, Any]:
         "args": spec.args_json,
         "missed": entry.missed,
         "next_tick": next_tick,
+        "tags": list(spec.tags) or None,
     }
 
 
@@ -176,7 +178,7 @@ def _comparable(described: dict[str, Any]) -> dict[str, Any]:
 
 def _stored_description(row: Any) -> dict[str, Any]:
     """The description as PERIODIC_GET_MANY read it, as _comparable gives it."""
-    expression, task, queue, priority, max_attempts, args, missed, next_tick = row[4:12]
+    expression, task, queue, priority, max_attempts, args, missed, next_tick, tags = row[4:13]
     return {
         "expression": expression,
         "task": task,
@@ -186,4 +188,5 @@ def _stored_description(row: Any) -> dict[str, Any]:
         "args": args,
         "missed": missed,
         "next_tick": next_tick,
+        "tags": tags,
     }

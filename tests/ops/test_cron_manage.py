@@ -80,6 +80,25 @@ def test_run_now_enqueues_the_described_job_without_the_app(ops: Ops, run_cli: C
     ]
 
 
+def test_run_now_enqueues_the_job_a_tick_would_tags_included(ops: Ops, run_cli: Cli) -> None:
+    app = skiplock.App(ops.url, schema=ops.schema)
+
+    @app.periodic("*/5 * * * *", name="tagged", tags=["reports", "nightly"])
+    def tagged() -> None:
+        return None
+
+    enqueue_due_from(app, FIRST_SEEN)
+    enqueue_due_from(app, LATER)  # the 12:05 tick
+    result = run_cli("cron", "run-now", "tagged")
+
+    assert result.code == 0, result.err
+    job_id = int(result.out.split()[3])
+    rows = ops.rows("SELECT id, meta -> 'tags' FROM {jobs} ORDER BY id")
+    assert [tags for _, tags in rows] == [["reports", "nightly"]] * 2
+    assert rows[-1][0] == job_id
+    assert json.loads(run_cli("cron", "list", "--json").out)[0]["tags"] == ["reports", "nightly"]
+
+
 def test_run_now_of_a_row_written_by_hand_takes_the_jobs_defaults(ops: Ops, run_cli: Cli) -> None:
     ops.rows("INSERT INTO {periodic} (name, last_tick, task) VALUES ('by.hand', now(), 'by.hand')")
     ops.rows("INSERT INTO {periodic} (name, last_tick) VALUES ('old.worker', now())")

@@ -356,4 +356,5 @@ def schedule_job(row: Mapping[str, Any]) -> JobSpec:
         queue=row["queue"] or "default",
         priority=row["priority"] or 0,
         max_attempts=row["max_attempts"] or 3,
+        tags=tags_of(row.get("tags")),
     )

@@ -11,24 +11,24 @@ of them enqueue each tick.
 PERIODIC_GET_MANY = """
 SELECT n.name, p.last_tick, now(), coalesce(p.paused, false),
        p.expression, p.task, p.queue, p.priority, p.max_attempts, p.args, p.missed,
-       p.next_tick
+       p.next_tick, p.tags
 FROM unnest(%(names)s::text[]) AS n(name)
 LEFT JOIN {periodic} AS p ON p.name = n.name
 """
 
-# What a worker writes of a schedule it ticks (migration 0030), so that `skiplock cron`
+# What a worker writes of a schedule it ticks (migrations 0030, 0033), so that `skiplock cron`
 # and the dashboard need no App: the SET list of PERIODIC_START's conflict, of
 # PERIODIC_ADVANCE and of PERIODIC_DESCRIBE.
 _DESCRIBED = """expression = %(expression)s, task = %(task)s, queue = %(queue)s,
     priority = %(priority)s, max_attempts = %(max_attempts)s, args = %(args)s::jsonb,
-    missed = %(missed)s, next_tick = %(next_tick)s"""
+    missed = %(missed)s, next_tick = %(next_tick)s, tags = %(tags)s::text[]"""
 
 # First sight of a schedule: start counting from now, fire nothing yet.
 PERIODIC_START = """
 INSERT INTO {periodic} (name, last_tick, expression, task, queue, priority, max_attempts,
-                        args, missed, next_tick)
+                        args, missed, next_tick, tags)
 VALUES (%(name)s, %(tick)s, %(expression)s, %(task)s, %(queue)s, %(priority)s,
-        %(max_attempts)s, %(args)s::jsonb, %(missed)s, %(next_tick)s)
+        %(max_attempts)s, %(args)s::jsonb, %(missed)s, %(next_tick)s, %(tags)s::text[])
 ON CONFLICT (name) DO NOTHING
 """
 
@@ -61,7 +61,7 @@ RETURNING name
 
 PERIODIC_LIST = """
 SELECT name, expression, task, queue, priority, max_attempts, args, missed, last_tick,
-       next_tick, paused, updated_at
+       next_tick, paused, updated_at, tags
 FROM {periodic} ORDER BY name
 """
 
