@@ -168,6 +168,13 @@ def test_overview_shows_a_queues_counts(
     expect(row.locator('[data-count="available"]')).to_have_text("3")
     expect(row.locator('[data-count="dead"]')).to_have_text("1")
     expect(page.locator('tr[data-queue="reports"] [data-count="scheduled"]')).to_have_text("1")
+    # The hour's history: per queue, in the totals, and on a chart with both axes.
+    hour = row.locator('[data-count="completed_hour"]').inner_text()
+    assert int(hour) > 1000  # about 1,200 rows over the hour
+    expect(page.locator('#queue-totals [data-total="completed_hour"]')).to_have_text(hour)
+    expect(page.locator("#throughput .x-axis text")).to_have_count(6)
+    expect(page.locator("#throughput .y-axis text").first).to_have_text("0")
+    expect(page.locator("#throughput rect.completed")).to_have_count(60)
     # The live part refreshes by itself: a new job shows without a reload.
     make_job(queue="emails", task="shop.send_receipt")
     expect(row.locator('[data-count="available"]')).to_have_text("4")
