@@ -20,6 +20,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from skiplock import types
+from skiplock.client.params import tag_json, tags_of
 from skiplock.errors import ConfigurationError
 from skiplock.sql import dashboard as dashboard_sql
 from skiplock.sql import periodic as periodic_sql
@@ -88,7 +89,7 @@ class JobFilter:
             "args_text": f"%{like_escape(self.args_text)}%" if self.args_text else None,
             "error_type": self.error_type,
             "tag": self.tag,
-            "tag_json": json.dumps([self.tag]) if self.tag else None,
+            "tag_json": tag_json(self.tag),
             "time_from": self.time_from,
             "time_to": self.time_to,
             "before": before,
@@ -520,11 +521,7 @@ def _pretty_json(value: Any) -> str | None:
 def job_tags(value: Any) -> list[str]:
     """The tags of a row: its ``tags`` (a JSON array), or its meta's; only the strings in
     it, whatever else a row written by hand holds; pure."""
-    if isinstance(value, dict):
-        value = value.get("tags")
-    if not isinstance(value, list):
-        return []
-    return [tag for tag in value if isinstance(tag, str)]
+    return list(tags_of(value.get("tags") if isinstance(value, dict) else value))
 
 
 def last_error_type(errors: Any) -> str:
