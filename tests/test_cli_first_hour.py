@@ -172,15 +172,16 @@ def test_a_pipe_closed_early_ends_quietly(app: skiplock.App) -> None:
         "SKIPLOCK_DATABASE_URL": app.database_url,
         "SKIPLOCK_SCHEMA": app.schema,
     }
+    # About 48 bytes a row: 5,000 rows are far more than a pipe's 64 KiB buffer, so the
+    # writer is still writing when the reader leaves, however the two are scheduled.
     with app.connect() as conn:
-        for n in range(300):
-            conn.execute(
-                f'INSERT INTO "{app.schema}".jobs (task, args) VALUES (%s, %s)',
-                (f"t{n}", '{"padding": "' + "x" * 200 + '"}'),
-            )
-    # `skiplock jobs list --limit 300 | head -1`: the reader leaves after one line.
+        conn.execute(
+            f'INSERT INTO "{app.schema}".jobs (task, args)'
+            " SELECT 't' || n, '{}' FROM generate_series(1, 5000) AS n"
+        )
+    # `skiplock jobs list --limit 5000 | head -1`: the reader leaves after one line.
     shown = subprocess.Popen(
-        [sys.executable, "-m", "skiplock", "jobs", "list", "--limit", "300"],
+        [sys.executable, "-m", "skiplock", "jobs", "list", "--limit", "5000"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
