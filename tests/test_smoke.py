@@ -124,7 +124,12 @@ def run_watched(
     command: list[str], url: str, timeout: float
 ) -> tuple[dict[str, Any], CommandLines]:
     with watched(command, url) as (proc, lines):
-        out, err = proc.communicate(timeout=timeout)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            pytest.fail(f"{command[:1]} still running after {timeout} s; it said:\n{err[-3000:]}")
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     return json.loads(out), lines

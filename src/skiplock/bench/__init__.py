@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -120,9 +122,17 @@ def run(
         phase_seconds, enqueue_seconds, clients, samples, promote_after,
     )  # fmt: skip
     report = Report(as_json)
-    for name in scenarios:
+    for number, name in enumerate(scenarios, 1):
         module = importlib.import_module(f"skiplock.bench.{SCENARIOS[name]}")
+        started = time.monotonic()
         module.scenario(name, settings, report)
+        if as_json:  # stdout holds only the JSON; say on stderr how far a long run is
+            print(
+                f"skiplock bench: {name} done in {time.monotonic() - started:.1f} s "
+                f"({number} of {len(scenarios)})",
+                file=sys.stderr,
+                flush=True,
+            )
     if as_json:
         print(report.json(meta))
     return 0

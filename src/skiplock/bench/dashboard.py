@@ -13,8 +13,10 @@ live jobs, ``--history-rows``) or ``python -m skiplock.bench.dashboard``.
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -149,9 +151,13 @@ def page_timings(
 ) -> Iterator[tuple[str, list[float]]]:
     """For each page, one figure per run in milliseconds: the median of ``renders``
     renders (after one warm-up render of every page)."""
-    from starlette.testclient import TestClient  # noqa: PLC0415 - the dashboard extra
+    with warnings.catch_warnings():  # Starlette's notice that its client will change
+        warnings.simplefilter("ignore")
+        from starlette.testclient import TestClient  # noqa: PLC0415 - the dashboard extra
 
     from skiplock.dashboard.web import create_app  # noqa: PLC0415
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request timed
 
     url = resolve_database_url(database_url, fallback_embedded=True)
     with fresh_schema(url, SCHEMA):
