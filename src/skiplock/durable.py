@@ -702,42 +702,55 @@ def _took(attempt: _Attempt, base: str, suspension: Suspension) -> Any:
     return _waited(attempt, base, suspension.step, suspension.key or "", text)
 
 
+def _wait_begun(who: str, key: str, timeout: object) -> tuple[_Attempt, Suspension, str]:
+    """The attempt, the wait about to be recorded (its key, step name and time limit) and
+    its counting base, from ``who``'s arguments."""
+    attempt = _current(who)
+    key = check_signal_key(key)
+    seconds = _seconds(f"{who}'s timeout", timeout, optional=True)
+    base = f"wait:{key}"
+    return attempt, Suspension(key, attempt.claim_name(attempt.numbered(base)), seconds), base
+
+
+def _wait_answer(attempt: _Attempt, wait: Suspension, base: str) -> tuple[bool, Any]:
+    """(True, the payload) when the wait was answered in an earlier attempt."""
+    assert attempt.recorded is not None
+    if wait.step in attempt.recorded:
+        return True, _waited(attempt, base, wait.step, wait.key or "", attempt.recorded[wait.step])
+    return False, None
+
+
+def _suspension_answer(attempt: _Attempt, base: str, suspension: Suspension) -> Any:
+    """A kept signal's payload, or the end of this attempt while the job waits."""
+    if suspension.outcome == "signal":
+        return _took(attempt, base, suspension)
+    _suspended(attempt, suspension)
+
+
 def wait_for(key: str, timeout: float | timedelta | None = None) -> Any:
     """Wait for the signal ``key`` and return its payload. A signal sent already (and kept)
     answers at once; otherwise the attempt ends here, freeing its slot, and the job
     resumes when the signal comes (``App.signal``, or ``signal()`` in SQL): the handler
     runs again from the top, its steps answered from their records, and this call
     returns the payload. After ``timeout`` with no signal it raises WaitTimeout."""
-    attempt = _current("wait_for")
-    key = check_signal_key(key)
-    seconds = _seconds("wait_for's timeout", timeout, optional=True)
-    base = f"wait:{key}"
-    name = attempt.claim_name(attempt.numbered(base))
+    attempt, wait, base = _wait_begun("wait_for", key, timeout)
     if attempt.recorded is None:
         attempt.recorded = attempt.store.load_sync(attempt.job)
-    if name in attempt.recorded:
-        return _waited(attempt, base, name, key, attempt.recorded[name])
-    suspension = attempt.store.suspend_sync(attempt.job, Suspension(key, name, seconds))
-    if suspension.outcome == "signal":
-        return _took(attempt, base, suspension)
-    _suspended(attempt, suspension)
+    answered, payload = _wait_answer(attempt, wait, base)
+    if answered:
+        return payload
+    return _suspension_answer(attempt, base, attempt.store.suspend_sync(attempt.job, wait))
 
 
 async def wait_for_async(key: str, timeout: float | timedelta | None = None) -> Any:
     """``wait_for`` for async handlers."""
-    attempt = _current("wait_for_async")
-    key = check_signal_key(key)
-    seconds = _seconds("wait_for_async's timeout", timeout, optional=True)
-    base = f"wait:{key}"
-    name = attempt.claim_name(attempt.numbered(base))
+    attempt, wait, base = _wait_begun("wait_for_async", key, timeout)
     if attempt.recorded is None:
         attempt.recorded = await attempt.store.load(attempt.job)
-    if name in attempt.recorded:
-        return _waited(attempt, base, name, key, attempt.recorded[name])
-    suspension = await attempt.store.suspend(attempt.job, Suspension(key, name, seconds))
-    if suspension.outcome == "signal":
-        return _took(attempt, base, suspension)
-    _suspended(attempt, suspension)
+    answered, payload = _wait_answer(attempt, wait, base)
+    if answered:
+        return payload
+    return _suspension_answer(attempt, base, await attempt.store.suspend(attempt.job, wait))
 
 
 def sleep(duration: float | timedelta) -> None:
