@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
@@ -137,43 +137,43 @@ class _Flush:
     dropped: set[int] = field(default_factory=set)
 
 
+@dataclass(eq=False)
 class Completer:
     """Collects outcomes and writes them every ``interval`` seconds or ``max_batch`` items.
 
     ``run`` flushes in the background; the shutdown drain calls ``flush`` too. A lock makes
     them take turns, so no batch is ever written twice."""
 
-    def __init__(
-        self,
-        pool: AsyncConnectionPool[Any],
-        schema: str,
-        worker_id: UUID,
-        *,
-        interval: float = 0.002,
-        max_batch: int = 2000,
-        on_retry_written: Callable[[], None] = lambda: None,
-        on_flush: Callable[[int, int], None] = lambda batch, refused: None,
-    ) -> None:
-        self._pool = pool
-        self._worker_id = worker_id
-        self._interval = interval
-        self._max_batch = max_batch
-        self._on_retry_written = on_retry_written
-        self._on_flush = on_flush
+    pool: AsyncConnectionPool[Any]
+    schema: InitVar[str]
+    worker_id: UUID
+    _: KW_ONLY
+    interval: float = 0.002
+    max_batch: int = 2000
+    on_retry_written: Callable[[], None] = lambda: None
+    on_flush: Callable[[int, int], None] = lambda batch, refused: None
+    _sql: dict[str, str] = field(init=False)
+    _alone_sql: dict[str, str] = field(init=False)
+    _refused_sql: str = field(init=False)
+    _durable_sql: str = field(init=False)
+    _results_notice: tuple[str, dict[str, str]] = field(init=False)
+    _done_channel: str = field(init=False)
+    _pending: list[Outcome] = field(init=False, default_factory=list)
+    _ready: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    _drained: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    _flushing: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
+    _rng: random.Random = field(init=False, default_factory=random.Random)
+    stats: CompleterStats = field(init=False, default_factory=CompleterStats)
+    refused_ids: list[int] = field(init=False, default_factory=list)
+
+    def __post_init__(self, schema: str) -> None:
         self._sql = {group: render(statement, schema) for group, statement in _STATEMENTS.items()}
         self._alone_sql = {group: render(statement, schema) for group, statement in _ALONE.items()}
         self._refused_sql = render(complete.JOB_FAIL_UNSTORABLE_IF_LEASED, schema)
         self._durable_sql = render(complete.DURABLE_COMMIT_ON, schema)
         self._results_notice = results_notice(schema)
         self._done_channel = done_channel(schema)
-        self._pending: list[Outcome] = []
-        self._ready = asyncio.Event()
-        self._drained = asyncio.Event()
         self._drained.set()
-        self._flushing = asyncio.Lock()
-        self._rng = random.Random()
-        self.stats = CompleterStats()
-        self.refused_ids: list[int] = []
 
     def add(self, outcome: Outcome) -> None:
         self._pending.append(outcome)
@@ -197,8 +197,8 @@ class Completer:
         failures = 0
         while True:
             await self._ready.wait()
-            if len(self._pending) < self._max_batch:
-                await asyncio.sleep(self._interval)
+            if len(self._pending) < self.max_batch:
+                await asyncio.sleep(self.interval)
             try:
                 await self.flush()
                 failures = 0
@@ -219,7 +219,7 @@ class Completer:
         another error no row caused) whatever was not written yet stays pending, and the
         error is raised."""
         async with self._flushing:
-            batch = [storable_outcome(o) for o in self._pending[: self._max_batch]]
+            batch = [storable_outcome(o) for o in self._pending[: self.max_batch]]
             if not batch:
                 self._ready.clear()
                 self._drained.set()
@@ -262,9 +262,9 @@ class Completer:
                     refused.append(outcome)
             else:
                 kinds[kind] = kinds.get(kind, 0) + 1
-        self._on_flush(len(settled), len(refused))
+        self.on_flush(len(settled), len(refused))
         if retry_written:
-            self._on_retry_written()
+            self.on_retry_written()
         stats.unstorable += found_unstorable
         stats.dropped += found_dropped
         for outcome in refused:
@@ -308,14 +308,14 @@ class Completer:
         written: set[int] = set()
         # Pipelined: the transaction's statements go out together and their results come
         # back together, one round trip for the flush instead of one per statement.
-        async with self._pool.connection() as conn, conn.pipeline():
+        async with self.pool.connection() as conn, conn.pipeline():
             cursors = []
             async with conn.transaction():
                 await conn.execute(self._durable_sql)
                 for group, params in writes:
                     cursors.append(
                         await conn.execute(
-                            self._sql[group], {**params, "worker_id": self._worker_id}
+                            self._sql[group], {**params, "worker_id": self.worker_id}
                         )
                     )
                 # One wake-up per flush for anyone awaiting a result (wait_for_result).
@@ -327,8 +327,8 @@ class Completer:
     async def _write_alone(self, group: str, params: dict[str, Any]) -> set[int]:
         """A batch of one group of outcomes: one statement that commits by itself, durably,
         waking result waiters (sql/complete.py, _committing_alone)."""
-        params = {**params, "worker_id": self._worker_id, "channel": self._done_channel}
-        async with self._pool.connection() as conn:
+        params = {**params, "worker_id": self.worker_id, "channel": self._done_channel}
+        async with self.pool.connection() as conn:
             if conn.autocommit:
                 cur = await conn.execute(self._alone_sql[group], params)
             else:  # a pool of transactional sessions: the statement needs its commit
@@ -351,12 +351,12 @@ class Completer:
         params = {
             "id": outcome.job_id,
             "attempt": outcome.attempt,
-            "worker_id": self._worker_id,
+            "worker_id": self.worker_id,
             "delay": REFUSED_BACKOFF.delay(outcome.attempt, self._rng),
             "error": Jsonb(error),
         }
         try:
-            async with self._pool.connection() as conn, conn.transaction():
+            async with self.pool.connection() as conn, conn.transaction():
                 await conn.execute(self._durable_sql)
                 cur = await conn.execute(self._refused_sql, params)
                 if await cur.fetchone() is not None:

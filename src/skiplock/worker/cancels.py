@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any
 from uuid import UUID
 
@@ -26,32 +27,30 @@ from skiplock.worker.supervisor import describe
 log = logging.getLogger("skiplock.worker.cancels")
 
 
+@dataclass(eq=False)
 class CancelRequests:
     """``ask`` with a job id from a notification; ``cancel`` is called for each one the
     database confirms."""
 
     name = "cancels"
 
-    def __init__(
-        self,
-        pool: AsyncConnectionPool[Any],
-        schema: str,
-        worker_id: UUID,
-        *,
-        attempt_of: Callable[[int], int | None],
-        cancel: Callable[[int], None],
-    ) -> None:
-        self._pool = pool
-        self._worker_id = worker_id
-        self._attempt_of = attempt_of
-        self._cancel = cancel
+    pool: AsyncConnectionPool[Any]
+    schema: InitVar[str]
+    worker_id: UUID
+    _: KW_ONLY
+    attempt_of: Callable[[int], int | None]
+    cancel: Callable[[int], None]
+    _confirm: str = field(init=False)
+    # Job id -> the attempt running here when asked.
+    _asked: dict[int, int] = field(init=False, default_factory=dict)
+    _wake: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    refused: int = field(init=False, default=0)  # requests the database did not confirm
+
+    def __post_init__(self, schema: str) -> None:
         self._confirm = render(control.JOB_CANCEL_CONFIRMED, schema)
-        self._asked: dict[int, int] = {}  # job id -> the attempt running here when asked
-        self._wake = asyncio.Event()
-        self.refused = 0  # requests the database did not confirm
 
     def ask(self, job_id: int) -> None:
-        attempt = self._attempt_of(job_id)
+        attempt = self.attempt_of(job_id)
         if attempt is None:
             return  # not running here: nothing to stop
         self._asked[job_id] = attempt
@@ -75,16 +74,16 @@ class CancelRequests:
                 continue
             self.refused += len(asked) - len(confirmed)
             for job_id in confirmed:
-                self._cancel(job_id)
+                self.cancel(job_id)
 
     async def confirm(self, asked: dict[int, int]) -> list[int]:
         """The ids among ``asked`` (id -> attempt) whose rows ask for their cancellation."""
-        async with self._pool.connection() as conn:
+        async with self.pool.connection() as conn:
             cur = await conn.execute(
                 self._confirm,
                 {
                     **fenced_batch({job_id: {"attempt": a} for job_id, a in asked.items()}),
-                    "worker_id": self._worker_id,
+                    "worker_id": self.worker_id,
                 },
             )
             return [int(row[0]) for row in await cur.fetchall()]

@@ -20,6 +20,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 from uuid import UUID
@@ -86,6 +87,7 @@ class ClaimsInFlight:
         return min(self._sent.values(), default=None)
 
 
+@dataclass(eq=False)
 class Heartbeat(PeriodicService):
     """Every ``every`` seconds: touch the registration and extend the leases. Every
     ``tick``: write the progress handlers reported since."""
@@ -93,61 +95,57 @@ class Heartbeat(PeriodicService):
     name = "heartbeat"
     log = log
 
-    def __init__(
+    database_url: str
+    schema: InitVar[str]
+    worker_id: UUID
+    _: KW_ONLY
+    lease_seconds: float
+    every: float
+    tick: float
+    registration: Callable[[], dict[str, Any]]
+    running: RunningJobs
+    request_cancel: Callable[[int], None]
+    on_lost: Callable[[RunningJob], None]
+    on_connect: Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]] | None = None
+    on_beat: Callable[[float], None] | None = None
+    # The bounds go in ``options``; behind a pooler none, and no prepared statements
+    # (pooler.py): the worker passes its own.
+    connect_kwargs: InitVar[dict[str, Any] | None] = None
+    # Reconciliation (run only when ``settling`` is given): the claims in flight, and the
+    # jobs not registered whose rows the worker still means to write (outcomes not yet
+    # flushed), or None while it must not give anything back (stopping: the drain gives
+    # back what it holds, by its own rules).
+    claims: InitVar[ClaimsInFlight | None] = None
+    settling: Callable[[], Collection[int] | None] | None = None
+    _connect_kwargs: dict[str, Any] = field(init=False)
+    _claims: ClaimsInFlight = field(init=False)
+    _clock: deque[tuple[float, datetime]] = field(init=False)
+    # Jobs given back because this worker did not run them, since it started.
+    given_back: int = field(init=False, default=0)
+    _reconcile_ms: int = field(init=False)
+    _reconcile_failed: bool = field(init=False, default=False)
+    _conn: psycopg.AsyncConnection[Any] | None = field(init=False, default=None)
+    _next_beat: float = field(init=False, default=0.0)
+    beats: int = field(init=False, default=0)
+    # Jobs whose lease the last beats could not extend (their row locked elsewhere):
+    # warned about once each.
+    _locked: set[int] = field(init=False, default_factory=set)
+
+    def __post_init__(
         self,
-        database_url: str,
         schema: str,
-        worker_id: UUID,
-        *,
-        lease_seconds: float,
-        every: float,
-        tick: float,
-        registration: Callable[[], dict[str, Any]],
-        running: RunningJobs,
-        request_cancel: Callable[[int], None],
-        on_lost: Callable[[RunningJob], None],
-        on_connect: Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]] | None = None,
-        on_beat: Callable[[float], None] | None = None,
-        connect_kwargs: dict[str, Any] | None = None,
-        claims: ClaimsInFlight | None = None,
-        settling: Callable[[], Collection[int] | None] | None = None,
+        connect_kwargs: dict[str, Any] | None,
+        claims: ClaimsInFlight | None,
     ) -> None:
-        self._url = database_url
-        # The bounds go in ``options``; behind a pooler none, and no prepared statements
-        # (pooler.py): the worker passes its own.
         self._connect_kwargs = (
-            {"options": heartbeat_bounds(every).options()}
+            {"options": heartbeat_bounds(self.every).options()}
             if connect_kwargs is None
             else connect_kwargs
         )
-        self._worker_id = worker_id
-        self._lease_seconds = lease_seconds
-        self.every = every
-        self._tick = tick
-        self._registration = registration
-        self._running = running
-        self._request_cancel = request_cancel
-        self._on_lost = on_lost
-        self._on_connect = on_connect
-        self._on_beat = on_beat
-        # Reconciliation (run only when ``settling`` is given): the claims in flight, and
-        # the jobs not registered whose rows the worker still means to write (outcomes
-        # not yet flushed), or None while it must not give anything back (stopping: the
-        # drain gives back what it holds, by its own rules).
         self._claims = claims if claims is not None else ClaimsInFlight()
-        self._settling = settling
-        self._clock: deque[tuple[float, datetime]] = deque(maxlen=CLOCK_READINGS)
+        self._clock = deque(maxlen=CLOCK_READINGS)
         self._render(schema)
-        # Jobs given back because this worker did not run them, since it started.
-        self.given_back = 0
-        self._reconcile_ms = max(int(min(max(every / 2, 0.5), 2 * every) * 1000), 1)
-        self._reconcile_failed = False
-        self._conn: psycopg.AsyncConnection[Any] | None = None
-        self._next_beat = 0.0
-        self.beats = 0
-        # Jobs whose lease the last beats could not extend (their row locked elsewhere):
-        # warned about once each.
-        self._locked: set[int] = set()
+        self._reconcile_ms = max(int(min(max(self.every / 2, 0.5), 2 * self.every) * 1000), 1)
 
     def _render(self, schema: str) -> None:
         """The statements of a beat, rendered for ``schema`` once."""
@@ -173,7 +171,7 @@ class Heartbeat(PeriodicService):
             await conn.close()
 
     async def pause(self) -> None:
-        await asyncio.sleep(self._tick)
+        await asyncio.sleep(self.tick)
 
     def failed(self, exc: Exception) -> None:
         # Start over on a fresh connection: a timed-out statement leaves this one usable,
@@ -194,14 +192,14 @@ class Heartbeat(PeriodicService):
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
         if self._conn is None or self._conn.closed:
             self._conn = await psycopg.AsyncConnection.connect(
-                self._url,
+                self.database_url,
                 autocommit=True,
                 connect_timeout=10,
                 **self._connect_kwargs,
-                **session_kwargs("heartbeat", self._worker_id),
+                **session_kwargs("heartbeat", self.worker_id),
             )
-            if self._on_connect is not None:
-                await self._on_connect(self._conn)  # the liveness lock (liveness.py)
+            if self.on_connect is not None:
+                await self.on_connect(self._conn)  # the liveness lock (liveness.py)
         return self._conn
 
     async def beat(self, conn: psycopg.AsyncConnection[Any] | None = None) -> None:
@@ -210,10 +208,10 @@ class Heartbeat(PeriodicService):
         jobs the database says this worker runs and it does not."""
         if conn is None:
             conn = await self._connection()
-        await conn.execute(self._touch, self._registration())
+        await conn.execute(self._touch, self.registration())
         self.beats += 1
         await self._extend_leases(conn)
-        if self._settling is None:
+        if self.settling is None:
             return
         try:
             async with conn.transaction():
@@ -233,7 +231,7 @@ class Heartbeat(PeriodicService):
     async def _extend_leases(self, conn: psycopg.AsyncConnection[Any]) -> None:
         # The leases asked about, and when: what the answer confirms holds from then on.
         asked_at = time.monotonic()
-        held = self._running.snapshot()
+        held = self.running.snapshot()
         if not held:
             self._locked.clear()
             self._beaten(asked_at)
@@ -242,15 +240,15 @@ class Heartbeat(PeriodicService):
             self._extend,
             {
                 **fenced_batch({job_id: {"attempt": e.attempt} for job_id, e in held.items()}),
-                "worker_id": self._worker_id,
-                "lease_seconds": self._lease_seconds,
+                "worker_id": self.worker_id,
+                "lease_seconds": self.lease_seconds,
             },
         )
         rows = await cur.fetchall()
         kept = {row[0] for row in rows}
         for job_id, asked, extended in rows:
             if asked:
-                self._request_cancel(job_id)  # its notification may have been missed
+                self.request_cancel(job_id)  # its notification may have been missed
             if not extended and job_id not in self._locked and not _by_handler(held, job_id):
                 log.warning(
                     "job %s: its row is locked by another transaction; its lease is "
@@ -268,7 +266,7 @@ class Heartbeat(PeriodicService):
             # is still held here with no outcome pending.
             if entry.task.done():
                 continue
-            self._on_lost(entry)
+            self.on_lost(entry)
         self._beaten(asked_at)
 
     async def _read_clock(self, conn: psycopg.AsyncConnection[Any]) -> None:
@@ -292,12 +290,12 @@ class Heartbeat(PeriodicService):
         matters: a claim's jobs are registered before the claim leaves the claims in
         flight, and a job's outcome is queued before it leaves the registry; so a job is seen
         in one place or another, or its row is no longer this worker's."""
-        assert self._settling is not None
+        assert self.settling is not None
         await self._read_clock(conn)
         sent = self._claims.oldest()
         looked_at = time.monotonic()
-        known = set(self._running.snapshot())
-        settling = self._settling()
+        known = set(self.running.snapshot())
+        settling = self.settling()
         if settling is None:
             return
         known.update(settling)
@@ -306,7 +304,7 @@ class Heartbeat(PeriodicService):
             return  # a claim older than every reading is in flight: at the next beat
         cur = await conn.execute(
             self._unknown,
-            {"worker_id": self._worker_id, "known": sorted(known), "before": before},
+            {"worker_id": self.worker_id, "known": sorted(known), "before": before},
         )
         unknown = await cur.fetchall()
         if not unknown:
@@ -338,7 +336,7 @@ class Heartbeat(PeriodicService):
             self._give_back,
             {
                 **fenced_batch({job_id: {"attempt": a} for job_id, a in strays.items()}),
-                "worker_id": self._worker_id,
+                "worker_id": self.worker_id,
                 "channel": self._channel,
             },
         )
@@ -353,7 +351,7 @@ class Heartbeat(PeriodicService):
             return 0
         entries = {job_id: {"attempt": a, "progress": None} for job_id, a in cancelled.items()}
         cur = await conn.execute(
-            self._cancel, {**fenced_batch(entries), "worker_id": self._worker_id}
+            self._cancel, {**fenced_batch(entries), "worker_id": self.worker_id}
         )
         ended = len(await cur.fetchall())
         if ended:
@@ -362,18 +360,18 @@ class Heartbeat(PeriodicService):
 
     def _beaten(self, asked_at: float) -> None:
         """Every lease held at ``asked_at`` is confirmed, or its loss acted on."""
-        if self._on_beat is not None:
-            self._on_beat(asked_at)
+        if self.on_beat is not None:
+            self.on_beat(asked_at)
 
     async def _write_progress(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        pending = self._running.take_progress()
+        pending = self.running.take_progress()
         for job_id, (attempt, encoded) in pending.items():
             await conn.execute(
                 self._progress,
                 {
                     "id": job_id,
                     "attempt": attempt,
-                    "worker_id": self._worker_id,
+                    "worker_id": self.worker_id,
                     "progress": encoded,
                 },
             )

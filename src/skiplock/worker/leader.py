@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
@@ -52,6 +53,7 @@ ASKED_FULL_SECONDS = 1.0
 BUSY_RETRY_SECONDS = 0.05
 
 
+@dataclass(eq=False)
 class Election(PeriodicService):
     """Become or stay leader (LEADER_ELECT). Leaders renew at a third of the ttl,
     followers try about every ``follower_every`` seconds. A failed attempt gives up
@@ -60,41 +62,36 @@ class Election(PeriodicService):
     name = "election"
     log = log
 
-    def __init__(
-        self,
-        pool: Pool,
-        schema: str,
-        worker_id: UUID,
-        leadership: Leadership,
-        *,
-        follower_every: float,
-        on_elected: Callable[[], None],
-    ) -> None:
-        self._pool = pool
-        self._worker_id = worker_id
-        self.leadership = leadership
-        self._follower_every = follower_every
-        self._on_elected = on_elected
+    pool: Pool
+    schema: InitVar[str]
+    worker_id: UUID
+    leadership: Leadership
+    _: KW_ONLY
+    follower_every: float
+    on_elected: Callable[[], None]
+    _elect: str = field(init=False)
+
+    def __post_init__(self, schema: str) -> None:
         self._elect = render(maintenance.LEADER_ELECT, schema)
 
     async def run_once(self) -> None:
         now = asyncio.get_running_loop().time()
         was_leader = self.leadership.is_leader(now)
-        async with self._pool.connection() as conn:
+        async with self.pool.connection() as conn:
             cur = await conn.execute(
-                self._elect, {"worker_id": self._worker_id, "ttl": self.leadership.ttl}
+                self._elect, {"worker_id": self.worker_id, "ttl": self.leadership.ttl}
             )
             won = await cur.fetchone() is not None
         self.leadership.record(won=won, asked_at=now)
         if won and not was_leader:
-            self._on_elected()
+            self.on_elected()
 
     def failed(self, exc: Exception) -> None:
         self.leadership.lose()
 
     async def pause(self) -> None:
         now = asyncio.get_running_loop().time()
-        await asyncio.sleep(self.leadership.next_attempt_in(now, self._follower_every))
+        await asyncio.sleep(self.leadership.next_attempt_in(now, self.follower_every))
 
 
 class LeaderService(PeriodicService):
@@ -179,6 +176,7 @@ class Rescue(LeaderService):
             log.warning("rescued %s of dead workers or expired leases", plural(rescued, "job"))
 
 
+@dataclass(eq=False)
 class PeriodicTicks(PeriodicService):
     """Enqueue the due ticks of this worker's own periodic tasks (periodic.tick_due), on
     every worker, leader or not: a schedule ticks while any live worker that defines it
@@ -190,19 +188,22 @@ class PeriodicTicks(PeriodicService):
     log = log
     RECHECK_SECONDS = 10.0
 
-    def __init__(self, pool: Pool, app: App, *, tick: float) -> None:
-        self._pool = pool
-        self._app = app
-        self._tick = tick
-        self._sleep_for = tick
+    pool: Pool
+    app: App
+    _: KW_ONLY
+    tick: float
+    _sleep_for: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._sleep_for = self.tick
 
     async def run_once(self) -> None:
-        self._sleep_for = self._tick  # a pass the database ends is tried again soon
-        if not self._app.periodics:
+        self._sleep_for = self.tick  # a pass the database ends is tried again soon
+        if not self.app.periodics:
             self._sleep_for = self.RECHECK_SECONDS
             return
-        async with self._pool.connection() as conn:
-            done = await tick_due(conn, self._app)
+        async with self.pool.connection() as conn:
+            done = await tick_due(conn, self.app)
         until = done.seconds_to_next_tick
         if until is not None:
             # Just after the tick: the database's clock decides when it is due.
@@ -265,6 +266,7 @@ class History(LeaderService):
             return history.maintain(conn, self._schema, retention=self._retention)
 
 
+@dataclass(eq=False)
 class KeyAdmission:
     """As leader, admit waiting keyed jobs: the keys notifications name at once (new
     keys, keys a completion could not admit itself: decision 017), rate-limited keys when
@@ -275,26 +277,18 @@ class KeyAdmission:
 
     name = "admission"
 
-    def __init__(
-        self,
-        pool: Pool,
-        schema: str,
-        leadership: Leadership,
-        *,
-        every: float,
-        retry_after: float,
-        on_admitted: Callable[[int], None],
-    ) -> None:
-        self._pool = pool
-        self.leadership = leadership
-        self._every = every
-        self._retry_after = retry_after
-        self._on_admitted = on_admitted
-        self._schema = schema
-        self._keys: set[str] = set()
-        self._all = True
-        self._asked_all = False  # by a notification: coalesced (ASKED_FULL_SECONDS)
-        self._wake = asyncio.Event()
+    pool: Pool
+    schema: str
+    leadership: Leadership
+    _: KW_ONLY
+    every: float
+    retry_after: float
+    on_admitted: Callable[[int], None]
+    _keys: set[str] = field(init=False, default_factory=set)
+    _all: bool = field(init=False, default=True)
+    # By a notification: coalesced (ASKED_FULL_SECONDS).
+    _asked_all: bool = field(init=False, default=False)
+    _wake: asyncio.Event = field(init=False, default_factory=asyncio.Event)
 
     def ask(self, key: str) -> None:
         """A notification asked for ``key`` (empty: for every key)."""
@@ -332,7 +326,7 @@ class KeyAdmission:
                 self._all = True
                 self._asked_all = False
                 keys_due.clear()
-                next_full = now + self._every
+                next_full = now + self.every
                 continue
             asked: list[str] | None = sorted(
                 self._keys | {key for key, at in keys_due.items() if at <= now}
@@ -347,12 +341,12 @@ class KeyAdmission:
                     # worker comes up) is served at once.
                     last_full = now
                 self._all = self._asked_all = False
-                next_full = now + self._every
+                next_full = now + self.every
             elif now >= next_full:
                 # Asked for by no one: the keys that can wait forever (KEYS_STALLED),
                 # with the keys asked about.
                 periodic = True
-                next_full = now + self._every
+                next_full = now + self.every
             elif not asked:
                 continue
             try:
@@ -363,13 +357,13 @@ class KeyAdmission:
             except psycopg.Error as exc:
                 self._all = True
                 log.warning("admitting keyed jobs failed (%s); will retry", describe(exc))
-                await asyncio.sleep(self._retry_after)
+                await asyncio.sleep(self.retry_after)
                 continue
             # Keys not yet due stay due, unless this pass visited every key.
             kept = {} if asked is None else {k: at for k, at in keys_due.items() if at > now}
             keys_due = kept | {key: loop.time() + seconds for key, seconds in next_due.items()}
             if admitted:
-                self._on_admitted(admitted)
+                self.on_admitted(admitted)
                 log.debug("admitted %d keyed jobs", admitted)
 
     async def admit_pass(self, asked: list[str] | None) -> tuple[int, dict[str, float]]:
@@ -378,16 +372,16 @@ class KeyAdmission:
         keys when their window makes room, keys another admitter held soon). The whole
         database side of this service: skiplock.admission, where one bad key or row fails
         alone."""
-        async with self._pool.connection() as conn:
-            report = await admission.admit_pass(conn, self._schema, asked)
+        async with self.pool.connection() as conn:
+            report = await admission.admit_pass(conn, self.schema, asked)
         return report.admitted, self._due(report)
 
     async def admit_stalled(self, asked: list[str]) -> tuple[int, dict[str, float]]:
         """The periodic pass: the ``asked`` keys and every key with waiting jobs and none
         admitted (a key with admitted jobs is admitted again when one of them ends);
         returns as admit_pass."""
-        async with self._pool.connection() as conn:
-            report = await admission.admit_pass(conn, self._schema, asked, stalled=True)
+        async with self.pool.connection() as conn:
+            report = await admission.admit_pass(conn, self.schema, asked, stalled=True)
         return report.admitted, self._due(report)
 
     @staticmethod
@@ -398,6 +392,7 @@ class KeyAdmission:
         return due
 
 
+@dataclass(eq=False)
 class Promotion(PeriodicService):
     """Make scheduled and retryable jobs available when due, and waits for a signal whose
     time is up, sleeping until the next one comes due (at most ``poll_interval``) or
@@ -407,20 +402,28 @@ class Promotion(PeriodicService):
     log = log
     BATCH = 1000
 
-    def __init__(self, pool: Pool, schema: str, *, poll_interval: float) -> None:
-        self._pool = pool
-        self._poll_interval = poll_interval
-        self.wake = asyncio.Event()
+    pool: Pool
+    schema: InitVar[str]
+    _: KW_ONLY
+    poll_interval: float
+    wake: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    _promote: str = field(init=False)
+    _timed_out: str = field(init=False)
+    _next_due: str = field(init=False)
+    _channel: str = field(init=False)
+    _sleep_for: float = field(init=False)
+
+    def __post_init__(self, schema: str) -> None:
         self._promote = render(maintenance.JOB_PROMOTE_DUE, schema)
         self._timed_out = render(signals.JOB_WAITS_TIMED_OUT, schema)
         self._next_due = render(maintenance.JOB_NEXT_DUE, schema)
         self._channel = notify_channel(schema)
-        self._sleep_for = poll_interval
+        self._sleep_for = self.poll_interval
 
     async def run_once(self) -> None:
-        self._sleep_for = self._poll_interval
+        self._sleep_for = self.poll_interval
         self.wake.clear()
-        async with self._pool.connection() as conn:
+        async with self.pool.connection() as conn:
             for statement in (self._promote, self._timed_out):
                 while True:
                     cur = await conn.execute(
@@ -432,8 +435,8 @@ class Promotion(PeriodicService):
             cur = await conn.execute(self._next_due)
             row = await cur.fetchone()
         if row is not None and row[0] is not None:
-            self._sleep_for = min(max(float(row[0]), 0.001), self._poll_interval)
+            self._sleep_for = min(max(float(row[0]), 0.001), self.poll_interval)
 
     async def pause(self) -> None:
         await wait_event(self.wake, self._sleep_for)
-        self._sleep_for = self._poll_interval
+        self._sleep_for = self.poll_interval

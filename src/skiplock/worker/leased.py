@@ -13,6 +13,7 @@ import random
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import KW_ONLY, dataclass, field
 from functools import partial
 from typing import Any
 from uuid import UUID
@@ -68,57 +69,47 @@ def _claim_statements(schema: str) -> dict[tuple[bool, bool], str]:
     }
 
 
+@dataclass(eq=False)
 class LeasedJobs:
     """The lease-mode jobs of one worker process, from claim to outcome."""
 
-    def __init__(
-        self,
-        app: App,
-        worker_id: UUID,
-        limits: QueueLimits,
-        completer: Completer,
-        events: EventStream,
-        *,
-        lease_seconds: float,
-        permits: asyncio.Semaphore | None,
-        rng: random.Random,
-        ahead: ClaimAhead | None = None,
-        steps: StepStore | None = None,
-    ) -> None:
-        self._app = app
-        self._steps = steps
-        self._worker_id = worker_id
-        self._limits = limits
-        self.completer = completer
-        self._events = events
-        self._lease_seconds = lease_seconds
-        # With prefetch, jobs claimed beyond free capacity wait (leased and heartbeated)
-        # for one of these run permits (RunningJobs.waiting). Past ahead.wait_bound() they
-        # are given back.
-        self._permits = permits
-        self._wait_timer: asyncio.TimerHandle | None = None
-        # Give-back writes in flight, and the jobs each gives back.
-        self._giving_back: dict[asyncio.Task[None], list[int]] = {}
-        self.given_back = 0
-        self.stopping = False
-        # Sizes the claims beyond free slots from how long jobs take (decision 018).
-        self.ahead = ahead
-        if ahead is not None:
-            ahead.stuck = self._stuck
-        # With prefetch, what records that jobs claimed ahead have started (decision 015).
-        self.starts: StartRecorder | None = None
-        # This worker's claims in flight: one sent before a start's confirmation came back
-        # may have claimed the same job again, unregistered yet (_still_ours).
-        self.claims: ClaimsInFlight | None = None
-        self._rng = rng
-        # Every job held, from its claim to the end of its task.
-        self.running_jobs = RunningJobs()
-        # When the last heartbeat that confirmed every lease held took its list of them
-        # (monotonic seconds): see CONFIRM_AFTER_SILENCE.
-        self.confirmed_at = time.monotonic()
-        self.confirm_after = CONFIRM_AFTER_SILENCE
-        # A confirmation that took longer than this to come says nothing of now.
-        self.late_answer = CONFIRM_AFTER_SILENCE
+    app: App
+    worker_id: UUID
+    limits: QueueLimits
+    completer: Completer
+    events: EventStream
+    _: KW_ONLY
+    lease_seconds: float
+    # With prefetch, jobs claimed beyond free capacity wait (leased and heartbeated) for
+    # one of these run permits (RunningJobs.waiting). Past ahead.wait_bound() they are
+    # given back.
+    permits: asyncio.Semaphore | None
+    rng: random.Random
+    # Sizes the claims beyond free slots from how long jobs take (decision 018).
+    ahead: ClaimAhead | None = None
+    steps: StepStore | None = None
+    _wait_timer: asyncio.TimerHandle | None = field(init=False, default=None)
+    # Give-back writes in flight, and the jobs each gives back.
+    _giving_back: dict[asyncio.Task[None], list[int]] = field(init=False, default_factory=dict)
+    given_back: int = field(init=False, default=0)
+    stopping: bool = field(init=False, default=False)
+    # With prefetch, what records that jobs claimed ahead have started (decision 015).
+    starts: StartRecorder | None = field(init=False, default=None)
+    # This worker's claims in flight: one sent before a start's confirmation came back
+    # may have claimed the same job again, unregistered yet (_still_ours).
+    claims: ClaimsInFlight | None = field(init=False, default=None)
+    # Every job held, from its claim to the end of its task.
+    running_jobs: RunningJobs = field(init=False, default_factory=RunningJobs)
+    # When the last heartbeat that confirmed every lease held took its list of them
+    # (monotonic seconds): see CONFIRM_AFTER_SILENCE.
+    confirmed_at: float = field(init=False, default_factory=time.monotonic)
+    confirm_after: float = field(init=False, default=CONFIRM_AFTER_SILENCE)
+    # A confirmation that took longer than this to come says nothing of now.
+    late_answer: float = field(init=False, default=CONFIRM_AFTER_SILENCE)
+
+    def __post_init__(self) -> None:
+        if self.ahead is not None:
+            self.ahead.stuck = self._stuck
 
     @property
     def running(self) -> int:
@@ -127,7 +118,7 @@ class LeasedJobs:
 
     def runs_in_thread(self, entry: RunningJob) -> bool:
         """Whether the job's handler is sync (its thread cannot be cancelled)."""
-        handler = self._app.tasks.get(entry.job.task)
+        handler = self.app.tasks.get(entry.job.task)
         return handler is None or not handler.is_async
 
     def fetch(
@@ -139,9 +130,9 @@ class LeasedJobs:
         threads: ThreadPoolExecutor,
         slots: Slots,
     ) -> Fetch:
-        permits = self._permits
-        statements = _claim_statements(self._app.schema)
-        limits = self._limits
+        permits = self.permits
+        statements = _claim_statements(self.app.schema)
+        limits = self.limits
         start = partial(self._run, threads=threads, slots=slots)
 
         async def fetch(reservation: Reservation) -> bool:
@@ -150,8 +141,8 @@ class LeasedJobs:
                 "queue": queue,
                 "exclude_tasks": excluded,
                 "limit": limit,
-                "worker_id": self._worker_id,
-                "lease_seconds": self._lease_seconds,
+                "worker_id": self.worker_id,
+                "lease_seconds": self.lease_seconds,
             }
             after = cursor.start()
             if after is not None:
@@ -192,7 +183,7 @@ class LeasedJobs:
         """Take the run permits free now, up to ``limit``, for a claim's first jobs, which
         start at once: a claim that has one for every job is not marked claimed ahead.
         Free permits mean no job waits for one, so none is overtaken."""
-        permits, granted = self._permits, 0
+        permits, granted = self.permits, 0
         if permits is not None:
             while granted < limit and not permits.locked():
                 await permits.acquire()  # free: returns at once, without yielding
@@ -231,13 +222,13 @@ class LeasedJobs:
         # tasks first run.
         claimed.registered_at = time.monotonic()
         if jobs:
-            self._events.claimed(queue, len(jobs), jobs)
+            self.events.claimed(queue, len(jobs), jobs)
 
     def _release_permits(self, n: int) -> None:
         """Give back run permits a claim took and has no job for."""
         for _ in range(n):
-            if self._permits is not None:
-                self._permits.release()
+            if self.permits is not None:
+                self.permits.release()
 
     async def _run(
         self,
@@ -251,7 +242,7 @@ class LeasedJobs:
     ) -> None:
         self.running_jobs.began(entry)
         job, cancel = entry.job, entry.cancel
-        permits = self._permits
+        permits = self.permits
         holds_permit = permitted  # its run permit came with the claim
         try:
             started = time.perf_counter()
@@ -296,7 +287,7 @@ class LeasedJobs:
         """Whether ``entry`` starts now (its claim confirmed after a wait, its queued key
         released); records its start. Raises CancelledError if cancelled while it waited."""
         job = entry.job
-        if self._permits is not None and not await self._still_ours(entry):
+        if self.permits is not None and not await self._still_ours(entry):
             return False
         if entry.cancel.is_set():
             raise asyncio.CancelledError  # cancelled while it waited: never ran
@@ -306,7 +297,7 @@ class LeasedJobs:
         elif marked and self.starts is not None:
             self.starts.note(job.id, job.attempts)
         self.running_jobs.started(entry, asyncio.get_running_loop().time())
-        self._events.started(job, job.attempts)
+        self.events.started(job, job.attempts)
         return True
 
     async def _execute(
@@ -316,17 +307,17 @@ class LeasedJobs:
         a cancellation asked for makes it cancelled, however the handler ended."""
         job, cancel = entry.job, entry.cancel
         run = executor.run_leased(
-            self._app,
+            self.app,
             job,
             threads,
-            rng=self._rng,
+            rng=self.rng,
             cancel=cancel,
             progress=entry.report_progress,
-            steps=self._steps,
+            steps=self.steps,
             completing=entry.completing,
             on_abandoned=partial(self._hold_slot, slots),
         )
-        tracing = self._app.tracing
+        tracing = self.app.tracing
         if tracing is None:
             outcome = await run
         else:
@@ -359,7 +350,7 @@ class LeasedJobs:
             outcome = dataclasses.replace(outcome, by_handler=True)
         if self.ahead is not None:
             self.ahead.job_ended(seconds)
-        self._events.ended(job, outcome, seconds)
+        self.events.ended(job, outcome, seconds)
         if isinstance(outcome, Suspended):
             return  # the handler's own statement ended the attempt: nothing to write
         if entry.held:
@@ -368,7 +359,7 @@ class LeasedJobs:
             # Given back while it ran and claimed again by this worker: the new claim
             # writes the attempt's outcome; this one must not (the fence could not tell
             # the two apart).
-            self._events.lost(job, job.attempts)
+            self.events.lost(job, job.attempts)
             log.warning(
                 "lost the lease of job %s attempt %s while it ran (given back and "
                 "claimed again); its outcome is dropped",
@@ -418,7 +409,7 @@ class LeasedJobs:
         if not batch:
             return None
         self.given_back += len(batch)
-        self._events.given_back(len(batch))
+        self.events.given_back(len(batch))
         write = asyncio.get_running_loop().create_task(self._write_give_back(batch))
         self._giving_back[write] = list(batch)
         write.add_done_callback(lambda done: self._giving_back.pop(done, None))
@@ -483,7 +474,7 @@ class LeasedJobs:
         job = entry.job
         if not entry.held:
             self._superseded(entry)
-            self._events.lost(job, job.attempts)
+            self.events.lost(job, job.attempts)
             return False
         if (
             self.starts is None
@@ -492,7 +483,7 @@ class LeasedJobs:
             return True
         answered_at = await self._confirm_claim(job)
         if answered_at is None:
-            self._events.lost(job, job.attempts)
+            self.events.lost(job, job.attempts)
             return False
         # The row reads as ours also when this worker claimed the job again meanwhile
         # (the same attempt number): that claim, committed before the answer, may not be
@@ -501,7 +492,7 @@ class LeasedJobs:
         if self.claims is not None and not await self.claims.returned(
             answered_at, self.late_answer
         ):
-            self._events.lost(job, job.attempts)
+            self.events.lost(job, job.attempts)
             log.warning(
                 "job %s attempt %s: a claim of this worker stayed unanswered while its "
                 "start was confirmed; not starting it",
@@ -511,7 +502,7 @@ class LeasedJobs:
             return False
         if not entry.held:
             self._superseded(entry)
-            self._events.lost(job, job.attempts)
+            self.events.lost(job, job.attempts)
             return False
         return True
 
@@ -584,7 +575,7 @@ class LeasedJobs:
                 job.id,
                 job.attempts,
             )
-        self._events.lost(job, job.attempts)
+        self.events.lost(job, job.attempts)
         return False
 
     def _superseded(self, entry: RunningJob) -> None:
@@ -619,7 +610,7 @@ class LeasedJobs:
         """The heartbeat found ``entry``'s lease lost: its task is cancelled, no outcome."""
         if not self.running_jobs.lease_lost(entry):
             return
-        self._events.lost(entry.job, entry.attempt)
+        self.events.lost(entry.job, entry.attempt)
         log.warning("lost the lease of job %s attempt %s; cancelling it", entry.id, entry.attempt)
         entry.task.cancel()
 

@@ -17,6 +17,7 @@ import logging
 import math
 import random
 from collections.abc import Awaitable, Callable
+from dataclasses import KW_ONLY, dataclass, field
 
 import psycopg
 
@@ -258,46 +259,38 @@ class Reservation:
 Fetch = Callable[[Reservation], Awaitable[bool]]
 
 
+@dataclass(eq=False)
 class Producer:
-    def __init__(
-        self,
-        name: str,
-        fetch: Fetch,
-        slots: Slots,
-        wake: asyncio.Event,
-        *,
-        batch_max: int,
-        poll_interval: float,
-        fetch_patience: float = 0.002,
-        backpressure: Callable[[], Awaitable[None]] | None = None,
-        gate: asyncio.Semaphore | None = None,
-        ahead: ClaimAhead | None = None,
-        queue: str | None = None,
-        waiting: WakeupSession | None = None,
-    ) -> None:
-        self.name = name
-        self._fetch = fetch
-        self._slots = slots
-        self._wake = wake
-        self._batch_max = batch_max
-        self._poll_interval = poll_interval
-        self._patience = fetch_patience
-        self._backpressure = backpressure
-        # Work that runs as soon as it starts (transactional sessions) also needs one of
-        # the prefetch gate's run permits, which jobs claimed ahead wait for.
-        self._gate = gate
-        # Lease-mode claims only: told how long each claim took, and sized again before
-        # each claim.
-        self._ahead = ahead
-        self.claims = 0
-        self.pending: asyncio.Future[bool] | None = None
-        # Inserts wake this producer only through a sentinel it arms (decision 023).
-        self._queue = queue
-        self._waiting = waiting if queue is not None else None
-        self._rng = random.Random()
-        self._failures = 0  # claims failed in a row, for the back-off
-        # When a claim last brought jobs, and the wait while an insert blocks arming.
-        self._last_jobs, self._gap = float("-inf"), LINGER_GAP
+    name: str
+    fetch: Fetch
+    slots: Slots
+    wake: asyncio.Event
+    _: KW_ONLY
+    batch_max: int
+    poll_interval: float
+    fetch_patience: float = 0.002
+    backpressure: Callable[[], Awaitable[None]] | None = None
+    # Work that runs as soon as it starts (transactional sessions) also needs one of the
+    # prefetch gate's run permits, which jobs claimed ahead wait for.
+    gate: asyncio.Semaphore | None = None
+    # Lease-mode claims only: told how long each claim took, and sized again before each
+    # claim.
+    ahead: ClaimAhead | None = None
+    # Inserts wake this producer only through a sentinel it arms (decision 023), and only
+    # with a queue.
+    queue: str | None = None
+    waiting: WakeupSession | None = None
+    claims: int = field(init=False, default=0)
+    pending: asyncio.Future[bool] | None = field(init=False, default=None)
+    _rng: random.Random = field(init=False, default_factory=random.Random)
+    _failures: int = field(init=False, default=0)  # claims failed in a row, for the back-off
+    # When a claim last brought jobs, and the wait while an insert blocks arming.
+    _last_jobs: float = field(init=False, default=-math.inf)
+    _gap: float = field(init=False, default=LINGER_GAP)
+
+    def __post_init__(self) -> None:
+        if self.queue is None:
+            self.waiting = None
 
     async def run(self) -> None:
         """Claim for free slots, again and again; between claims, wait as the last one
@@ -316,24 +309,24 @@ class Producer:
     async def _reserve(self) -> Reservation | None:
         """Wait for free slots (and a run permit when jobs are claimed ahead) and reserve
         them; None when another claim took them first."""
-        await self._slots.wait_free(
-            min(self._batch_max, max(1, self._slots.total // 2)), self._patience
+        await self.slots.wait_free(
+            min(self.batch_max, max(1, self.slots.total // 2)), self.fetch_patience
         )
-        if self._backpressure is not None:
-            await self._backpressure()
-        if self._ahead is not None:
+        if self.backpressure is not None:
+            await self.backpressure()
+        if self.ahead is not None:
             # Sized for the slots as they are now: one stuck on a long job since the last
             # claim must not take jobs ahead that would wait behind it.
-            self._ahead.adjust()
-        want = min(self._slots.free, self._batch_max)
+            self.ahead.adjust()
+        want = min(self.slots.free, self.batch_max)
         if want <= 0:
             return None
-        reservation = self._slots.reserve(want, self._gate)
-        if self._gate is not None:
+        reservation = self.slots.reserve(want, self.gate)
+        if self.gate is not None:
             try:
                 # Holding the slot, never the other way round: jobs claimed ahead hold
                 # slots while they wait for a permit.
-                await self._gate.acquire()
+                await self.gate.acquire()
             except BaseException:
                 reservation.settle()
                 raise
@@ -344,14 +337,14 @@ class Producer:
         """One claim: whether it came back full, or None when it failed (retried after a
         back-off: nothing may end claiming on this queue for good)."""
         # Clear before claiming: a notification that lands during the claim re-arms it.
-        self._wake.clear()
+        self.wake.clear()
         loop = asyncio.get_running_loop()
         began = loop.time()
         try:
             # Shielded: a claim commits in the database before its rows reach us, so
             # cancelling it half-way (at shutdown) would strand the claimed jobs. The
             # worker awaits `pending` before it drains.
-            self.pending = pending = asyncio.ensure_future(self._fetch(reservation))
+            self.pending = pending = asyncio.ensure_future(self.fetch(reservation))
             pending.add_done_callback(reservation.settle)
             full = await asyncio.shield(pending)
         except Exception as exc:
@@ -364,32 +357,32 @@ class Producer:
             await asyncio.sleep(delay)
             return None
         self._failures = 0
-        if self._ahead is not None:
-            self._ahead.claimed(loop.time() - began)
+        if self.ahead is not None:
+            self.ahead.claimed(loop.time() - began)
         return full
 
     async def _rest(self, reservation: Reservation, full: bool) -> None:
         """Wait until the next claim is worth making."""
-        if self._waiting is None or self._queue is None:
+        if self.waiting is None or self.queue is None:
             if not full:
-                await wait_event(self._wake, self._poll_interval)
+                await wait_event(self.wake, self.poll_interval)
             return
         now = asyncio.get_running_loop().time()
         if reservation.kept if reservation.jobs is None else reservation.jobs:
-            self._waiting.busy(self._queue, self)
+            self.waiting.busy(self.queue, self)
             self._last_jobs, self._gap = now, LINGER_GAP
         if full:
             return  # a full batch: more is probably waiting
         if now - self._last_jobs < LINGER_SECONDS:
-            await wait_event(self._wake, LINGER_GAP)
+            await wait_event(self.wake, LINGER_GAP)
             return
-        armed = await self._waiting.arm(self._queue, self)
+        armed = await self.waiting.arm(self.queue, self)
         if armed is not Armed.IN_FLIGHT:
             self._gap = LINGER_GAP
         if armed is Armed.NOW:
             return  # what committed before the keys were taken notified nobody
         if armed is Armed.IN_FLIGHT:
-            await wait_event(self._wake, min(self._gap, IN_FLIGHT_GAP_MAX, self._poll_interval))
+            await wait_event(self.wake, min(self._gap, IN_FLIGHT_GAP_MAX, self.poll_interval))
             self._gap = min(self._gap * 2, IN_FLIGHT_GAP_MAX)
             return
-        await wait_event(self._wake, self._poll_interval)
+        await wait_event(self.wake, self.poll_interval)

@@ -17,6 +17,7 @@ import random
 import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
@@ -37,37 +38,26 @@ Start = Callable[[asyncio.Future[int], int, executor.BatchStop, bool], Coroutine
 CUT_SECONDS = 10.0
 
 
+@dataclass(eq=False)
 class TransactionalSessions:
-    def __init__(
-        self,
-        app: App,
-        limits: QueueLimits,
-        *,
-        batch: int,
-        poll_interval: float,
-        rng: random.Random,
-        on_claimed: Callable[[str, int], None],
-        on_completed: Callable[[int], None],
-        on_finished: executor.Finished,
-        gate: asyncio.Semaphore | None = None,
-    ) -> None:
-        self.app = app
-        self.limits = limits
-        self.batch = batch
-        self.poll_interval = poll_interval
-        self._rng = rng
-        self._on_claimed = on_claimed
-        self._on_completed = on_completed
-        self._on_finished = on_finished
-        # With prefetch, a session takes a run permit before it starts, in line with the
-        # jobs claimed ahead (it runs as soon as it starts).
-        self._gate = gate
-        # Sessions running, and those of them in a thread (which cannot be cancelled).
-        self.running: set[asyncio.Task[None]] = set()
-        self.in_threads: set[asyncio.Task[None]] = set()
-        # Set once the worker is asked to stop; each session's batch reads it.
-        self._stopping = threading.Event()
-        self._batches: dict[asyncio.Task[None], executor.BatchStop] = {}
+    app: App
+    limits: QueueLimits
+    _: KW_ONLY
+    batch: int
+    poll_interval: float
+    rng: random.Random
+    on_claimed: Callable[[str, int], None]
+    on_completed: Callable[[int], None]
+    on_finished: executor.Finished
+    # With prefetch, a session takes a run permit before it starts, in line with the jobs
+    # claimed ahead (it runs as soon as it starts).
+    gate: asyncio.Semaphore | None = None
+    # Sessions running, and those of them in a thread (which cannot be cancelled).
+    running: set[asyncio.Task[None]] = field(init=False, default_factory=set)
+    in_threads: set[asyncio.Task[None]] = field(init=False, default_factory=set)
+    # Set once the worker is asked to stop; each session's batch reads it.
+    _stopping: threading.Event = field(init=False, default_factory=threading.Event)
+    _batches: dict[asyncio.Task[None], executor.BatchStop] = field(init=False, default_factory=dict)
 
     def stop(self) -> None:
         """The worker is asked to stop: no session starts another job (decision 002)."""
@@ -121,7 +111,7 @@ class TransactionalSessions:
         waiting: WakeupSession | None = None,
     ) -> Producer:
         limits = self.limits
-        gate = self._gate
+        gate = self.gate
 
         async def fetch(reservation: Reservation) -> bool:
             batch = self.batch
@@ -171,7 +161,7 @@ class TransactionalSessions:
             claimed: asyncio.Future[int], batch: int, stop: executor.BatchStop, governed: bool
         ) -> None:
             def on_claimed(n: int) -> None:
-                self._on_claimed(queue, n)
+                self.on_claimed(queue, n)
                 claimed.set_result(n)
 
             try:
@@ -182,13 +172,13 @@ class TransactionalSessions:
                         queue,
                         tasks,
                         batch,
-                        rng=self._rng,
+                        rng=self.rng,
                         governed=governed,
                         stop=stop,
                         on_claimed=on_claimed,
-                        on_finished=self._on_finished,
+                        on_finished=self.on_finished,
                     )
-                self._on_completed(done)
+                self.on_completed(done)
             except BaseException as exc:
                 if not claimed.done():
                     claimed.set_exception(exc)
@@ -215,7 +205,7 @@ class TransactionalSessions:
             claimed: asyncio.Future[int], batch: int, stop: executor.BatchStop, governed: bool
         ) -> int:
             def on_claimed(n: int) -> None:
-                self._on_claimed(queue, n)
+                self.on_claimed(queue, n)
                 loop.call_soon_threadsafe(claimed.set_result, n)
 
             with pool.connection() as conn:
@@ -229,7 +219,7 @@ class TransactionalSessions:
                     governed=governed,
                     stop=stop,
                     on_claimed=on_claimed,
-                    on_finished=self._on_finished,
+                    on_finished=self.on_finished,
                 )
 
         async def session(
@@ -239,7 +229,7 @@ class TransactionalSessions:
                 done = await loop.run_in_executor(
                     threads, run_in_thread, claimed, batch, stop, governed
                 )
-                self._on_completed(done)
+                self.on_completed(done)
             except Exception as exc:
                 if not claimed.done():
                     claimed.set_exception(exc)

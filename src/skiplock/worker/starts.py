@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any
 from uuid import UUID
 
@@ -36,31 +37,33 @@ RECORD_AFTER_SECONDS = 0.05
 STOPPED_NOTE = "worker stopped before the job started; the attempt is not counted"
 
 
+@dataclass(eq=False)
 class StartRecorder(PeriodicService):
     name = "starts"
     log = log
 
-    def __init__(
-        self,
-        pool: AsyncConnectionPool[Any],
-        schema: str,
-        worker_id: UUID,
-        attempt_of: Callable[[int], int | None],
-        *,
-        after: float = RECORD_AFTER_SECONDS,
-    ) -> None:
-        self._pool = pool
+    pool: AsyncConnectionPool[Any]
+    schema: InitVar[str]
+    worker_id: UUID
+    attempt_of: Callable[[int], int | None]
+    _: KW_ONLY
+    after: float = RECORD_AFTER_SECONDS
+    _statement: str = field(init=False)
+    _still_claimed: str = field(init=False)
+    _give_back: str = field(init=False)
+    _start_keyed: str = field(init=False)
+    _channel: str = field(init=False)
+    _results_notice: tuple[str, dict[str, str]] = field(init=False)
+    _started: dict[int, int] = field(init=False, default_factory=dict)
+    _noted: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+
+    def __post_init__(self, schema: str) -> None:
         self._statement = render(claim.JOB_MARK_STARTED, schema)
         self._still_claimed = render(claim.JOB_STILL_CLAIMED, schema)
         self._give_back = render(complete.JOB_GIVE_BACK_UNSTARTED, schema)
         self._start_keyed = render(claim.JOB_START_KEYED, schema)
         self._channel = notify_channel(schema)
         self._results_notice = results_notice(schema)
-        self._worker_id = worker_id
-        self._attempt_of = attempt_of
-        self._after = after
-        self._started: dict[int, int] = {}
-        self._noted = asyncio.Event()
 
     def note(self, job_id: int, attempt: int) -> None:
         """The job's attempt has started (its handler is being called now)."""
@@ -69,10 +72,10 @@ class StartRecorder(PeriodicService):
 
     async def still_claimed(self, job_id: int, attempt: int) -> bool:
         """Whether the job's attempt is still this worker's, read now."""
-        async with self._pool.connection() as conn:
+        async with self.pool.connection() as conn:
             cur = await conn.execute(
                 self._still_claimed,
-                {"id": job_id, "attempt": attempt, "worker_id": self._worker_id},
+                {"id": job_id, "attempt": attempt, "worker_id": self.worker_id},
             )
             return await cur.fetchone() is not None
 
@@ -80,10 +83,10 @@ class StartRecorder(PeriodicService):
         """Record now that a job holding a queued-scope key starts, releasing the key;
         False if the row is not this worker's attempt (or was locked by another
         transaction)."""
-        async with self._pool.connection() as conn:
+        async with self.pool.connection() as conn:
             cur = await conn.execute(
                 self._start_keyed,
-                {"id": job_id, "attempt": attempt, "worker_id": self._worker_id},
+                {"id": job_id, "attempt": attempt, "worker_id": self.worker_id},
             )
             return await cur.fetchone() is not None
 
@@ -91,12 +94,12 @@ class StartRecorder(PeriodicService):
         """Give back jobs (id -> attempt) this worker claimed ahead and never started,
         with a note if the worker is ``stopping``; returns how many went back to their
         queues (the others had been given back already, or were cancelled as asked)."""
-        async with self._pool.connection() as conn:
+        async with self.pool.connection() as conn:
             cur = await conn.execute(
                 self._give_back,
                 {
                     **fenced_batch({job_id: {"attempt": a} for job_id, a in jobs.items()}),
-                    "worker_id": self._worker_id,
+                    "worker_id": self.worker_id,
                     "channel": self._channel,
                     "note": STOPPED_NOTE if stopping else None,
                 },
@@ -108,7 +111,7 @@ class StartRecorder(PeriodicService):
 
     async def pause(self) -> None:
         await self._noted.wait()
-        await asyncio.sleep(self._after)
+        await asyncio.sleep(self.after)
 
     async def run_once(self) -> None:
         self._noted.clear()
@@ -117,15 +120,15 @@ class StartRecorder(PeriodicService):
         running = {
             job_id: {"attempt": attempt}
             for job_id, attempt in started.items()
-            if self._attempt_of(job_id) == attempt
+            if self.attempt_of(job_id) == attempt
         }
         if not running:
             return
         marked: set[int] = set()
         try:
-            async with self._pool.connection() as conn:
+            async with self.pool.connection() as conn:
                 cur = await conn.execute(
-                    self._statement, {**fenced_batch(running), "worker_id": self._worker_id}
+                    self._statement, {**fenced_batch(running), "worker_id": self.worker_id}
                 )
                 marked = {int(row[0]) for row in await cur.fetchall()}
         finally:
