@@ -41,14 +41,15 @@ def run_batch(app: skiplock.App, mode: str, task: str | list[str], **kwargs: Any
     session with synchronous_commit off (as a worker's pool sets it)."""
     options = "-c synchronous_commit=off"
     tasks = [task] if isinstance(task, str) else task
+    batch = executor.TransactionalRun(app, "default", tasks, 10, **kwargs)
     if mode == "sync":
         with psycopg.connect(app.database_url, options=options) as conn:
-            return executor.run_transactional_sync(app, conn, "default", tasks, 10, **kwargs)
+            return executor.run_transactional_sync(conn, batch)
 
     async def run() -> int:
         conn = await psycopg.AsyncConnection.connect(app.database_url, options=options)
         async with conn:
-            return await executor.run_transactional_async(app, conn, "default", tasks, 10, **kwargs)
+            return await executor.run_transactional_async(conn, batch)
 
     return asyncio.run(run())
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from contextlib import contextmanager, suppress
+from dataclasses import KW_ONLY, dataclass, field
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Any
@@ -598,29 +599,34 @@ class _Batch:
         return self.running
 
 
-async def run_transactional_async(
-    app: App,
-    conn: psycopg.AsyncConnection[Any],
-    queue: str,
-    tasks: Sequence[str],
-    limit: int,
-    *,
-    rng: random.Random,
-    governed: bool = False,
-    clock: Clock = utcnow,
-    stop: BatchStop | None = None,
-    on_claimed: Callable[[int], None] = lambda n: None,
-    on_finished: Finished = lambda job, outcome, seconds: None,
-) -> int:
-    """Claim, run and record up to ``limit`` async transactional jobs in one transaction.
+@dataclass(frozen=True)
+class TransactionalRun:
+    """One transactional batch, for either driver: up to ``limit`` jobs of ``tasks`` on
+    ``queue``. ``governed``: the caller reserved the queue's rate (worker/limits.py); if
+    not, a queue with a rate limit gives nothing. ``stop`` ends the batch early;
+    ``on_claimed`` hears how many jobs the claim brought, ``on_finished`` each outcome."""
+
+    app: App
+    queue: str
+    tasks: Sequence[str]
+    limit: int
+    _: KW_ONLY
+    rng: random.Random
+    governed: bool = False
+    clock: Clock = utcnow
+    stop: BatchStop = field(default_factory=BatchStop)
+    on_claimed: Callable[[int], None] = lambda n: None
+    on_finished: Finished = lambda job, outcome, seconds: None
+
+
+async def run_transactional_async(conn: psycopg.AsyncConnection[Any], run: TransactionalRun) -> int:
+    """Claim, run and record ``run``'s async transactional jobs in one transaction.
 
     Each job runs in a savepoint: a failing handler's writes roll back while the failure
-    itself is recorded in the outer transaction. ``stop`` ends the batch early (BatchStop):
-    a cut reaches the handler as a cancellation. ``governed``: the caller reserved the
-    queue's rate (worker/limits.py); if not, a queue with a rate limit gives nothing.
-    Returns how many jobs ran to an outcome.
+    itself is recorded in the outer transaction. A cut of ``run.stop`` reaches the handler
+    as a cancellation. Returns how many jobs ran to an outcome.
     """
-    stop = stop if stop is not None else BatchStop()
+    app, stop = run.app, run.stop
     batch: _Batch | None = None
     try:
         async with conn.transaction():
@@ -628,11 +634,11 @@ async def run_transactional_async(
             await conn.execute(render(complete.DURABLE_COMMIT_ON, app.schema))
             cur = await conn.execute(
                 render(claim.JOB_LOCK_BATCH, app.schema),
-                _lock_params(queue, tasks, limit, governed),
+                _lock_params(run.queue, run.tasks, run.limit, run.governed),
             )
             jobs = [claimed_from_row(r) for r in await cur.fetchall()]
-            on_claimed(len(jobs))
-            batch = _Batch(app, jobs, rng=rng, clock=clock, on_finished=on_finished)
+            run.on_claimed(len(jobs))
+            batch = _Batch(app, jobs, rng=run.rng, clock=run.clock, on_finished=run.on_finished)
             set_step_store(
                 LockedStore(conn, app.schema), tracing=app.tracing
             )  # steps commit with the batch
@@ -647,7 +653,7 @@ async def run_transactional_async(
     except Exception as exc:
         lost = None if batch is None else batch.aborted(exc)
         if lost is not None:
-            await _charge_async(app, conn, lost, _lost_reason(exc), rng, clock)
+            await _charge_async(app, conn, lost, _lost_reason(exc), run.rng, run.clock)
         raise
     assert batch is not None
     return batch.finished
@@ -878,24 +884,11 @@ def _cut_sync(
             conn.close()
 
 
-def run_transactional_sync(
-    app: App,
-    conn: psycopg.Connection[Any],
-    queue: str,
-    tasks: Sequence[str],
-    limit: int,
-    *,
-    rng: random.Random,
-    governed: bool = False,
-    clock: Clock = utcnow,
-    stop: BatchStop | None = None,
-    on_claimed: Callable[[int], None] = lambda n: None,
-    on_finished: Finished = lambda job, outcome, seconds: None,
-) -> int:
-    """Sync twin of ``run_transactional_async``, run in a worker thread. A task's timeout
+def run_transactional_sync(conn: psycopg.Connection[Any], run: TransactionalRun) -> int:
+    """``run_transactional_async`` for sync handlers, run in a worker thread. A task's timeout
     is enforced by the server (SESSION_LIMIT), for that job only. A cut cannot stop the
     thread: the batch is committed for it (_cut_sync), and its connection closed."""
-    stop = stop if stop is not None else BatchStop()
+    app, stop = run.app, run.stop
     batch: _Batch | None = None
     try:
         with conn.transaction():
@@ -903,11 +896,11 @@ def run_transactional_sync(
             conn.execute(render(complete.DURABLE_COMMIT_ON, app.schema))
             rows = conn.execute(
                 render(claim.JOB_LOCK_BATCH, app.schema),
-                _lock_params(queue, tasks, limit, governed),
+                _lock_params(run.queue, run.tasks, run.limit, run.governed),
             ).fetchall()
             jobs = [claimed_from_row(r) for r in rows]
-            on_claimed(len(jobs))
-            batch = _Batch(app, jobs, rng=rng, clock=clock, on_finished=on_finished)
+            run.on_claimed(len(jobs))
+            batch = _Batch(app, jobs, rng=run.rng, clock=run.clock, on_finished=run.on_finished)
             set_step_store(
                 LockedStore(conn, app.schema), tracing=app.tracing
             )  # steps commit with the batch
@@ -932,7 +925,7 @@ def run_transactional_sync(
     except Exception as exc:
         lost = None if batch is None else batch.aborted(exc)
         if lost is not None:
-            _charge_sync(app, conn, lost, _lost_reason(exc), rng, clock)
+            _charge_sync(app, conn, lost, _lost_reason(exc), run.rng, run.clock)
         raise
     assert batch is not None
     return batch.finished

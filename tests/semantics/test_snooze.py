@@ -165,7 +165,10 @@ def test_a_transactional_job_snoozed_after_a_failure_stays_scheduled(sem: Sem) -
     # One transactional batch, run directly: no worker, so no promoter runs meanwhile.
     with sem.connect() as conn:
         claimed = executor.run_transactional_sync(
-            sem.app, conn, "default", ["after_failure"], 10, rng=random.Random(0)
+            conn,
+            executor.TransactionalRun(
+                sem.app, "default", ["after_failure"], 10, rng=random.Random(0)
+            ),
         )
     assert claimed == 1
     assert sem.job(job_id).state is skiplock.JobState.SCHEDULED

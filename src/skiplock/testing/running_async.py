@@ -17,7 +17,7 @@ from skiplock import client
 from skiplock.app import App
 from skiplock.context import set_current_job
 from skiplock.durable import LockedStore, set_step_store
-from skiplock.executor import claimed_from_row, run_transactional_async
+from skiplock.executor import TransactionalRun, claimed_from_row, run_transactional_async
 from skiplock.outcomes import Completed
 from skiplock.tasks import Task, TaskCall
 from skiplock.testing import runs
@@ -148,15 +148,17 @@ async def _drain_locked_one_async(conn: AsyncConn, state: runs.Drain, queue: str
         return False
     finished: list[tuple[ClaimedJob, str, dict[str, Any] | None]] = []
     await run_transactional_async(
-        state.app,
         conn,
-        queue,
-        tasks,
-        1,
-        rng=random.Random(),
-        governed=True,  # limits aside: a test's drain runs one job at a time
-        on_finished=lambda job, outcome, seconds: finished.append(
-            (job, outcome.kind, outcome.error)
+        TransactionalRun(
+            state.app,
+            queue,
+            tasks,
+            1,
+            rng=random.Random(),
+            governed=True,  # limits aside: a test's drain runs one job at a time
+            on_finished=lambda job, outcome, seconds: finished.append(
+                (job, outcome.kind, outcome.error)
+            ),
         ),
     )
     for job, kind, error in finished:

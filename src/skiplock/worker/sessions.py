@@ -167,16 +167,18 @@ class TransactionalSessions:
             try:
                 async with pool.connection() as conn:
                     done = await executor.run_transactional_async(
-                        self.app,
                         conn,
-                        queue,
-                        tasks,
-                        batch,
-                        rng=self.rng,
-                        governed=governed,
-                        stop=stop,
-                        on_claimed=on_claimed,
-                        on_finished=self.on_finished,
+                        executor.TransactionalRun(
+                            self.app,
+                            queue,
+                            tasks,
+                            batch,
+                            rng=self.rng,
+                            governed=governed,
+                            stop=stop,
+                            on_claimed=on_claimed,
+                            on_finished=self.on_finished,
+                        ),
                     )
                 self.on_completed(done)
             except BaseException as exc:
@@ -210,16 +212,18 @@ class TransactionalSessions:
 
             with pool.connection() as conn:
                 return executor.run_transactional_sync(
-                    self.app,
                     conn,
-                    queue,
-                    tasks,
-                    batch,
-                    rng=random.Random(),
-                    governed=governed,
-                    stop=stop,
-                    on_claimed=on_claimed,
-                    on_finished=self.on_finished,
+                    executor.TransactionalRun(
+                        self.app,
+                        queue,
+                        tasks,
+                        batch,
+                        rng=random.Random(),
+                        governed=governed,
+                        stop=stop,
+                        on_claimed=on_claimed,
+                        on_finished=self.on_finished,
+                    ),
                 )
 
         async def session(
