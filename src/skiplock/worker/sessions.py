@@ -154,6 +154,29 @@ class TransactionalSessions:
     def _forget(self, session: asyncio.Task[None]) -> None:
         self._batches.pop(session, None)
 
+    def _run(
+        self,
+        queue: str,
+        tasks: list[str],
+        limit: int,
+        stop: executor.BatchStop,
+        governed: bool,
+        on_claimed: Callable[[int], None],
+        rng: random.Random,
+    ) -> executor.TransactionalRun:
+        """The batch a session runs, whichever driver runs it."""
+        return executor.TransactionalRun(
+            self.app,
+            queue,
+            tasks,
+            limit,
+            rng=rng,
+            governed=governed,
+            stop=stop,
+            on_claimed=on_claimed,
+            on_finished=self.on_finished,
+        )
+
     def async_session(
         self, pool: AsyncConnectionPool[Any], queue: str, tasks: list[str], slots: Slots
     ) -> Start:
@@ -168,17 +191,7 @@ class TransactionalSessions:
                 async with pool.connection() as conn:
                     done = await executor.run_transactional_async(
                         conn,
-                        executor.TransactionalRun(
-                            self.app,
-                            queue,
-                            tasks,
-                            batch,
-                            rng=self.rng,
-                            governed=governed,
-                            stop=stop,
-                            on_claimed=on_claimed,
-                            on_finished=self.on_finished,
-                        ),
+                        self._run(queue, tasks, batch, stop, governed, on_claimed, self.rng),
                     )
                 self.on_completed(done)
             except BaseException as exc:
@@ -213,17 +226,7 @@ class TransactionalSessions:
             with pool.connection() as conn:
                 return executor.run_transactional_sync(
                     conn,
-                    executor.TransactionalRun(
-                        self.app,
-                        queue,
-                        tasks,
-                        batch,
-                        rng=random.Random(),
-                        governed=governed,
-                        stop=stop,
-                        on_claimed=on_claimed,
-                        on_finished=self.on_finished,
-                    ),
+                    self._run(queue, tasks, batch, stop, governed, on_claimed, random.Random()),
                 )
 
         async def session(
