@@ -17,21 +17,26 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
+from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from skiplock.bench import OWN_SERVERS
 from skiplock.bench import dashboard as dashboard_bench
 from skiplock.bench.enqueue_concurrent import COMMIT_PATHS
 from skiplock.bench.pgbench import pgbench_path
+from skiplock.bench.tasks import BENCH_SCHEMA
 from skiplock.bench.wakeup import wakeup_paths
 from skiplock.cli.bench import SCENARIOS
 
@@ -109,6 +114,7 @@ def watched(command: list[str], url: str) -> Iterator[tuple[subprocess.Popen[str
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,  # its group: a kill reaches the worker processes it started
     ) as proc:
         lines = CommandLines(proc.pid)
         lines.start()
@@ -117,7 +123,33 @@ def watched(command: list[str], url: str) -> Iterator[tuple[subprocess.Popen[str
         finally:
             lines.stop()
             if proc.poll() is None:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def database_state(url: str) -> str:
+    """The bench schema's jobs by state (with a last error of each) and every other
+    session of the database that is not idle: for the message of a run that hung."""
+    lines = []
+    try:
+        with psycopg.connect(url, autocommit=True, connect_timeout=10) as conn:
+            conn.execute("SET statement_timeout = '10s'")
+            found = conn.execute("SELECT to_regclass(%s)", (f"{BENCH_SCHEMA}.jobs",)).fetchone()
+            if found is not None and found[0] is not None:
+                jobs = sql.SQL(
+                    "SELECT state, count(*), max(attempts), max(left((errors -> -1)::text, 300)) "
+                    "FROM {} GROUP BY state"
+                ).format(sql.Identifier(BENCH_SCHEMA, "jobs"))
+                lines += [f"jobs {row}" for row in conn.execute(jobs)]
+            sessions = conn.execute(
+                "SELECT pid, application_name, state, wait_event_type, wait_event, "
+                "now() - xact_start, left(query, 200) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+                "AND state IS DISTINCT FROM 'idle'"
+            )
+            lines += [f"session {row}" for row in sessions]
+    except psycopg.Error as exc:
+        lines.append(f"(could not read the database: {exc})")
+    return "\n".join(lines) or "(no jobs table, no busy session)"
 
 
 def run_watched(
@@ -127,9 +159,17 @@ def run_watched(
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            # Where it hangs: its threads' stacks (bench prints them on SIGUSR1) and what
+            # the database holds and does for it.
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            seen = database_state(url)
+            os.killpg(proc.pid, signal.SIGKILL)
             _, err = proc.communicate()
-            pytest.fail(f"{command[:1]} still running after {timeout} s; it said:\n{err[-3000:]}")
+            pytest.fail(
+                f"{command[:1]} still running after {timeout} s; the database:\n{seen}\n"
+                f"it said:\n{err[-6000:]}"
+            )
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     return json.loads(out), lines

@@ -13,8 +13,10 @@ of a ``topology`` (root only).
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -122,6 +124,9 @@ def run(
         phase_seconds, enqueue_seconds, clients, samples, promote_after,
     )  # fmt: skip
     report = Report(as_json)
+    # A run that seems stuck can be asked where it is: `kill -USR1 PID` prints every
+    # thread's stack to stderr and the run goes on (tests/test_smoke.py does so on a timeout).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     for number, name in enumerate(scenarios, 1):
         module = importlib.import_module(f"skiplock.bench.{SCENARIOS[name]}")
         started = time.monotonic()
