@@ -138,8 +138,8 @@ async def admit_pass(
 
     ``conn`` must be in autocommit mode: every attempt is a transaction of its own, under
     the keys' locks. Errors other than ROW_ERRORS are raised to the caller."""
-    failures = _failure_log if failure_log is None else failure_log
-    report = AdmissionReport()
+    admitting = _Pass(conn, schema, _failure_log if failure_log is None else failure_log)
+    report = admitting.report
     if asked is None:
         cur = await conn.execute(render(keys.KEYS_WAITING, schema))
         wanted = [str(row[0]) for row in await cur.fetchall()]
@@ -153,110 +153,100 @@ async def admit_pass(
     for start in range(0, len(wanted), ADMIT_KEYS_CHUNK):
         chunk = wanted[start : start + ADMIT_KEYS_CHUNK]
         try:
-            report.admitted += await _admit(conn, schema, chunk, report)
+            report.admitted += await admitting.admit(chunk)
         except ROW_ERRORS as exc:
             failing.extend(chunk)
             reason = reason or reason_of(exc)
     if failing:
-        await _isolate(conn, schema, failing, len(wanted), reason, report, failures)
+        await admitting.isolate(failing, len(wanted), reason)
     if wanted or asked is not None:  # (a full pass that found nothing waiting: none due)
         report.rate_due = await _rate_due(conn, schema)
     return report
 
 
-async def _admit(
-    conn: psycopg.AsyncConnection[Any],
-    schema: str,
-    asked: Sequence[str],
-    report: AdmissionReport,
-    *,
-    heads: bool = False,
-) -> int:
-    """One admission of at most ADMIT_KEYS_CHUNK keys: one statement, one transaction.
-    Returns the jobs admitted; keys another admitter held go to ``report.busy``."""
-    statement = keys.ADMIT_HEADS if heads else keys.ADMIT
-    cur = await conn.execute(render(statement, schema), {"keys": list(asked)})
-    admitted = 0
-    for _queue, jobs, busy in await cur.fetchall():
-        admitted += int(jobs)
-        if busy is not None:
-            report.busy.append(str(busy))
-    return admitted
+@dataclass
+class _Pass:
+    """What every step of one pass works on: the connection, the schema and the report
+    it fills."""
 
+    conn: psycopg.AsyncConnection[Any]
+    schema: str
+    failures: FailureLog
+    report: AdmissionReport = field(default_factory=AdmissionReport)
 
-async def _isolate(
-    conn: psycopg.AsyncConnection[Any],
-    schema: str,
-    failing: list[str],
-    tried: int,
-    reason: str,
-    report: AdmissionReport,
-    failures: FailureLog,
-) -> None:
-    """The set-based statement failed for the keys ``failing`` (with ``reason``), out of
-    ``tried`` keys asked about: admit what can be admitted, half by half, and find the
-    keys (then the rows) that cannot."""
-    failed: dict[str, str] = {}
+    async def admit(self, asked: Sequence[str], *, heads: bool = False) -> int:
+        """One admission of at most ADMIT_KEYS_CHUNK keys: one statement, one transaction.
+        Returns the jobs admitted; keys another admitter held go to ``report.busy``."""
+        statement = keys.ADMIT_HEADS if heads else keys.ADMIT
+        cur = await self.conn.execute(render(statement, self.schema), {"keys": list(asked)})
+        admitted = 0
+        for _queue, jobs, busy in await cur.fetchall():
+            admitted += int(jobs)
+            if busy is not None:
+                self.report.busy.append(str(busy))
+        return admitted
 
-    async def bisect(group: list[str], why: str) -> None:
-        """``group`` failed as a whole (``why``): try each half."""
-        if len(group) == 1:
-            failed[group[0]] = why
-            return
-        middle = len(group) // 2
-        for half in (group[:middle], group[middle:]):
-            try:
-                report.admitted += await _admit(conn, schema, half, report)
-            except ROW_ERRORS as exc:
-                await bisect(half, reason_of(exc))
+    async def isolate(self, failing: list[str], tried: int, reason: str) -> None:
+        """The set-based statement failed for the keys ``failing`` (with ``reason``), out of
+        ``tried`` keys asked about: admit what can be admitted, half by half, and find the
+        keys (then the rows) that cannot."""
+        report = self.report
+        failed: dict[str, str] = {}
 
-    await bisect(failing, reason)
-    now = time.monotonic()
-    if not rows_at_fault(tried, len(failed)):
-        report.failed.update(failed)
-        if failed and failures.due(EVERY_KEY, now):
-            log.warning(
-                "admission failed for every one of %d keys; no job is made dead, since the "
-                "cause is not one row (first: %s); will retry",
-                len(failed),
-                next(iter(failed.values())),
-            )
-        return
-    report.failed.update(failed)
-    for key, why in failed.items():
-        await _admit_heads(conn, schema, key, report)
-        if failures.due(key, now):
-            log.warning("admitting key %r failed: %s", key, why)
-
-
-async def _admit_heads(
-    conn: psycopg.AsyncConnection[Any],
-    schema: str,
-    key: str,
-    report: AdmissionReport,
-) -> None:
-    """Admit the key's line head by head; a head that cannot be admitted alone ends dead
-    with the reason, and the next one is tried. Stops when a head does not fit (or none
-    waits), or at this pass's bounds."""
-    for _ in range(HEADS_MAX_PER_KEY):
-        if len(report.dead) >= DEAD_MAX_PER_PASS:
-            return
-        async with conn.transaction():
-            await conn.execute(render(keys.KEYS_LOCK, schema), {"keys": [key]})
-            head = await _head(conn, schema, key)
-            if head is None:
+        async def bisect(group: list[str], why: str) -> None:
+            """``group`` failed as a whole (``why``): try each half."""
+            if len(group) == 1:
+                failed[group[0]] = why
                 return
-            try:
-                async with conn.transaction():  # a savepoint: the lock stays held
-                    admitted = await _admit(conn, schema, [key], report, heads=True)
-            except ROW_ERRORS as exc:
-                if not await _make_dead(conn, schema, key, head, reason_of(exc)):
-                    return
-                report.dead.append(head)
-                continue
-        if admitted == 0:
+            middle = len(group) // 2
+            for half in (group[:middle], group[middle:]):
+                try:
+                    report.admitted += await self.admit(half)
+                except ROW_ERRORS as exc:
+                    await bisect(half, reason_of(exc))
+
+        await bisect(failing, reason)
+        now = time.monotonic()
+        if not rows_at_fault(tried, len(failed)):
+            report.failed.update(failed)
+            if failed and self.failures.due(EVERY_KEY, now):
+                log.warning(
+                    "admission failed for every one of %d keys; no job is made dead, since "
+                    "the cause is not one row (first: %s); will retry",
+                    len(failed),
+                    next(iter(failed.values())),
+                )
             return
-        report.admitted += admitted
+        report.failed.update(failed)
+        for key, why in failed.items():
+            await self.admit_heads(key)
+            if self.failures.due(key, now):
+                log.warning("admitting key %r failed: %s", key, why)
+
+    async def admit_heads(self, key: str) -> None:
+        """Admit the key's line head by head; a head that cannot be admitted alone ends dead
+        with the reason, and the next one is tried. Stops when a head does not fit (or none
+        waits), or at this pass's bounds."""
+        conn, schema, report = self.conn, self.schema, self.report
+        for _ in range(HEADS_MAX_PER_KEY):
+            if len(report.dead) >= DEAD_MAX_PER_PASS:
+                return
+            async with conn.transaction():
+                await conn.execute(render(keys.KEYS_LOCK, schema), {"keys": [key]})
+                head = await _head(conn, schema, key)
+                if head is None:
+                    return
+                try:
+                    async with conn.transaction():  # a savepoint: the lock stays held
+                        admitted = await self.admit([key], heads=True)
+                except ROW_ERRORS as exc:
+                    if not await _make_dead(conn, schema, key, head, reason_of(exc)):
+                        return
+                    report.dead.append(head)
+                    continue
+            if admitted == 0:
+                return
+            report.admitted += admitted
 
 
 async def _make_dead(

@@ -653,7 +653,7 @@ async def run_transactional_async(conn: psycopg.AsyncConnection[Any], run: Trans
     except Exception as exc:
         lost = None if batch is None else batch.aborted(exc)
         if lost is not None:
-            await _charge_async(app, conn, lost, _lost_reason(exc), run.rng, run.clock)
+            await _charge_async(run, conn, lost, exc)
         raise
     assert batch is not None
     return batch.finished
@@ -724,14 +724,10 @@ async def _write_failure_async(
 
 
 async def _charge_async(
-    app: App,
-    conn: psycopg.AsyncConnection[Any],
-    job: ClaimedJob,
-    reason: str,
-    rng: random.Random,
-    clock: Clock,
+    run: TransactionalRun, conn: psycopg.AsyncConnection[Any], job: ClaimedJob, exc: BaseException
 ) -> None:
-    step = _charge_statement(app, job, reason, clock(), rng)
+    app = run.app
+    step = _charge_statement(app, job, _lost_reason(exc), run.clock(), run.rng)
     try:
         if not conn.broken and not conn.closed:
             await conn.execute(*step)  # the session lives; its transaction rolled back
@@ -745,15 +741,11 @@ async def _charge_async(
 
 
 def _charge_sync(
-    app: App,
-    conn: psycopg.Connection[Any] | None,
-    job: ClaimedJob,
-    reason: str,
-    rng: random.Random,
-    clock: Clock,
+    run: TransactionalRun, conn: psycopg.Connection[Any] | None, job: ClaimedJob, exc: BaseException
 ) -> bool:
     """Count a lost attempt (see JOB_CHARGE_LOST_ATTEMPT); True when it was counted now."""
-    step = _charge_statement(app, job, reason, clock(), rng)
+    app = run.app
+    step = _charge_statement(app, job, _lost_reason(exc), run.clock(), run.rng)
     try:
         if conn is not None and not conn.broken and not conn.closed:
             return conn.execute(*step).fetchone() is not None
@@ -925,7 +917,7 @@ def run_transactional_sync(conn: psycopg.Connection[Any], run: TransactionalRun)
     except Exception as exc:
         lost = None if batch is None else batch.aborted(exc)
         if lost is not None:
-            _charge_sync(app, conn, lost, _lost_reason(exc), run.rng, run.clock)
+            _charge_sync(run, conn, lost, exc)
         raise
     assert batch is not None
     return batch.finished

@@ -785,6 +785,20 @@ class Pages:
         """ " on DATABASE" in a notice or a log line, when there are several."""
         return f" on {database.label}" if self.dashboard.several else ""
 
+    def steered(
+        self, request: Request, database: Database, what: str, name: str, notice: str
+    ) -> Response:
+        """The end of a cron or queue action, so that both log it alike: "dashboard
+        {what} {name!r}", the database when there are several, and who did it."""
+        log.info(
+            "dashboard %s %r%s by %s",
+            what,
+            name,
+            self.on_which(database),
+            _who(request, self.dashboard),
+        )
+        return self.back(request, _first(request.state.fields, "next"), notice, changed=True)
+
     async def job_action(self, request: Request) -> Response:
         dashboard = self.dashboard
         fields: dict[str, list[str]] = request.state.fields
@@ -888,19 +902,13 @@ class Pages:
             await run_in_threadpool(dashboard.change, database, work)
         except ScheduleNotFoundError as exc:
             return self.back(request, _first(fields, "next"), str(exc))
-        log.info(
-            "dashboard cron %s %r%s by %s",
-            action,
-            name,
-            self.on_which(database),
-            _who(request, dashboard),
-        )
         said = f"job {done[0]} enqueued now" if action == "run-now" else f"{action}d"
-        return self.back(
+        return self.steered(
             request,
-            _first(fields, "next"),
+            database,
+            f"cron {action}",
+            name,
             f"schedule {name}{self.on_which(database)}: {said}",
-            changed=True,
         )
 
     async def queue_action(self, request: Request) -> Response:
@@ -919,18 +927,12 @@ class Pages:
                 database,
                 lambda conn: pause_or_resume(dashboard.admin(database, conn), queue),
             )
-            log.info(
-                "dashboard %s queue %r%s by %s",
-                action,
-                queue,
-                self.on_which(database),
-                _who(request, dashboard),
-            )
-            return self.back(
+            return self.steered(
                 request,
-                target,
+                database,
+                f"{action} queue",
+                queue,
                 f"queue {queue}{self.on_which(database)} {'paused' if paused else 'resumed'}",
-                changed=True,
             )
         if action != "limits":
             return self.error(request, 404, f"no queue action {action!r}")
