@@ -14,7 +14,7 @@ from skiplock.config import DATABASE_URL_ENV
 
 
 def seed_once(url: str, prefetch: str = "auto") -> float:
-    out = subprocess.run(
+    done = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -25,11 +25,25 @@ def seed_once(url: str, prefetch: str = "auto") -> float:
             prefetch,
         ],
         env={**os.environ, DATABASE_URL_ENV: url},  # not on the command line
-        check=True,
         capture_output=True,
         text=True,
-    ).stdout
-    return float(json.loads(out)["drain_seconds"])
+        check=False,  # a failure says why, below
+    )
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"skiplock demo --prefetch {prefetch} failed (exit {done.returncode}): "
+            f"{_failed_checks(done.stdout)}; it said:\n{done.stderr[-3000:]}"
+        )
+    return float(json.loads(done.stdout)["drain_seconds"])
+
+
+def _failed_checks(out: str) -> str:
+    """The checks a demo's JSON report says failed (it exits 1 when one does)."""
+    try:
+        checks = json.loads(out)["checks"]
+    except (ValueError, KeyError, TypeError):
+        return "no report"
+    return "failed checks: " + (", ".join(k for k, ok in checks.items() if not ok) or "none")
 
 
 def scenario(name: str, settings: Settings, report: Report) -> None:
