@@ -14,6 +14,7 @@ phases, the ``seed`` scenario's two demo runs, and a start of worker processes p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -123,7 +124,13 @@ def watched(command: list[str], url: str) -> Iterator[tuple[subprocess.Popen[str
         finally:
             lines.stop()
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_group(proc)
+
+
+def kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL the process and whatever it started (its session's group), if any is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def database_state(url: str) -> str:
@@ -164,7 +171,7 @@ def run_watched(
             proc.send_signal(signal.SIGUSR1)
             time.sleep(2)
             seen = database_state(url)
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_group(proc)
             _, err = proc.communicate()
             pytest.fail(
                 f"{command[:1]} still running after {timeout} s; the database:\n{seen}\n"
