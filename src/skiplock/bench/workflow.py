@@ -9,6 +9,9 @@
   many jobs, run for run;
 - fan-in: ``--jobs`` - 1 parents into one child, drained against the same plain drain:
   the cost of a parent's completion must not grow with its siblings.
+
+Each drain's schema has the history partitions of the past week, as a worker at the
+default retention leaves it: a step's end must not pay for the days kept.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ NOOP = "bench.noop"
 LAYER = 100
 CHAIN = 1000
 FAN = 100
+# The days of history a worker keeps by default (--history-retention-days).
+RETAINED_DAYS = 7
 
 
 def _noop() -> None:
@@ -128,6 +133,21 @@ def workflow_jobs(build: Callable[[App, int], list[Workflow]]) -> Insert:
     return insert
 
 
+def with_past_history(insert: Insert, days: int = RETAINED_DAYS) -> Insert:
+    """``insert``, after creating the history partitions of the past ``days`` days."""
+
+    def setup_and_insert(conn: psycopg.Connection[Any], schema: str, count: int) -> None:
+        conn.execute(
+            sql.SQL(
+                "SELECT {}((now() AT TIME ZONE 'UTC')::date - k) FROM generate_series(1, %s) AS k"
+            ).format(sql.Identifier(schema, "history_partition_create")),
+            (days,),
+        )
+        insert(conn, schema, count)
+
+    return setup_and_insert
+
+
 def _fans(app: App, steps: int) -> list[Workflow]:
     """Workflows of FAN steps, the last one smaller: ``steps`` in all (at least 3)."""
     sizes = [FAN] * (steps // FAN)
@@ -161,9 +181,9 @@ def scenario(name: str, settings: Settings, report: Report) -> None:
     report.figure(hop)
     drained: dict[str, list[float]] = {"plain": [], "fan": [], "fan-in": []}
     inserts: dict[str, Insert] = {
-        "plain": noop_jobs,
-        "fan": workflow_jobs(_fans),
-        "fan-in": workflow_jobs(_fan_in),
+        "plain": with_past_history(noop_jobs),
+        "fan": with_past_history(workflow_jobs(_fans)),
+        "fan-in": with_past_history(workflow_jobs(_fan_in)),
     }
     for _ in range(s.runs):  # run for run, so that the machine's drift hits all three
         for shape, insert in inserts.items():
