@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
+import threading
+
+import pytest
 
 import skiplock
-from workflows.conftest import RunCli, Sem
+from conftest import wait_until
+from semantics.conftest import CliResult
+from workflows.conftest import RunCli, Sem, StartWorkers
 from workflows.helpers import enqueue, step_states, workflow_state
 
 
@@ -84,3 +90,62 @@ def test_cancel_ends_every_step_and_the_workflow(sem: Sem, run_cli: RunCli) -> N
     assert again.code == 1 and "has ended (cancelled)" in again.out
     missing = run_cli("workflows", "show", "999999")
     assert missing.code != 0
+
+
+def _lock_waiter(sem: Sem, statement: str) -> bool:
+    """True while a session runs this schema's ``statement`` (a fragment of its text) and
+    waits for a row lock another transaction holds."""
+    rows = sem.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+        "AND wait_event_type = 'Lock' AND query LIKE %s AND query LIKE %s",
+        (f"%{sem.schema}%", f"%{statement}%"),
+    )
+    return int(rows[0][0]) > 0
+
+
+def test_cancelling_a_workflow_while_one_of_its_steps_ends_deadlocks_neither(
+    sem: Sem, workers: StartWorkers, run_cli: RunCli, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The cancel and the completion of a running step meet on the same rows, whichever
+    is first: each waits for the other's commit, neither for a lock the other waits
+    behind (PostgreSQL would break such a cycle by failing one of them)."""
+    release = threading.Event()
+
+    @sem.app.task(name="slow")
+    def slow() -> None:
+        release.wait(30)
+
+    @sem.app.task(name="noop")
+    def noop() -> None: ...
+
+    wf = sem.app.workflow()
+    first = wf.add(slow.job(), name="slow")
+    wf.add(noop.job(), name="after", after=[first])
+    ref = enqueue(sem, wf)
+    slow_id, after_id = int(ref.steps["slow"]), int(ref.steps["after"])
+    workers(1)
+    sem.wait_for_state(slow_id, "running")
+
+    caplog.set_level(logging.WARNING)
+    results: list[CliResult] = []
+    cancel = threading.Thread(
+        target=lambda: results.append(run_cli("workflows", "cancel", str(ref.id)))
+    )
+    # The waiting step's row held, the cancel stops there; the step then ends meanwhile,
+    # and its completion stops too, behind one or the other.
+    with sem.connect(autocommit=False) as holder:
+        holder.execute(f'SELECT FROM "{sem.schema}".jobs WHERE id = %s FOR UPDATE', (after_id,))
+        cancel.start()
+        wait_until(lambda: _lock_waiter(sem, "DELETE"), 15, "the cancel to wait for the row")
+        release.set()
+        wait_until(lambda: _lock_waiter(sem, "durable"), 15, "the completion to wait")
+        holder.rollback()
+    cancel.join(30)
+
+    assert len(results) == 1, "the cancel did not return"
+    assert results[0].code == 0, results[0]
+    sem.wait_for_state(slow_id, "completed", "cancelled")
+    deadlocks = [r.getMessage() for r in caplog.records if "deadlock" in r.getMessage()]
+    assert deadlocks == []
+    assert workflow_state(sem, ref.id) == "cancelled"
+    assert sem.state_of(after_id) == "cancelled"

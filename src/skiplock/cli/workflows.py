@@ -137,8 +137,8 @@ def _cancel(conn: psycopg.Connection[Any], schema: str, workflow: dict[str, Any]
         return 1
     params = {"id": workflow["id"]}
     with conn.transaction():
-        conn.execute(render(statements.WORKFLOW_CANCEL, schema), params)
         steps = conn.execute(render(statements.WORKFLOW_LIVE_STEPS, schema), params)
         ended = client.cancel_jobs(conn, schema, [int(r[0]) for r in steps.fetchall()])
+        conn.execute(render(statements.WORKFLOW_CANCEL, schema), params)
     print(f"workflow {workflow['id']} cancelled: {ended} steps cancelled or asked to stop")
     return 0

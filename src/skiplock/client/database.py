@@ -259,14 +259,19 @@ def replay_jobs(conn: Conn, schema: str, ids: Sequence[int]) -> dict[int, int]:
 def cancel_jobs(conn: Conn, schema: str, ids: Sequence[int]) -> int:
     """Cancel jobs: waiting and dead ones move to history as cancelled at once; for
     running (lease-mode) ones the worker is asked to stop them, and it records the
-    cancellation. Returns how many were cancelled or asked to stop."""
-    cur = conn.execute(render(admin.JOB_CANCEL_WAITING, schema), {"ids": list(ids)})
-    waiting = cur.fetchall()
+    cancellation. Returns how many were cancelled or asked to stop.
+
+    Running ones first: the completion of a running step locks its job's row, then its
+    workflow's; a cancel of waiting steps locks their workflow's (their DELETE's trigger
+    ends them), so asking a running step to stop after that could wait for a completion
+    that waits for this transaction."""
     cur = conn.execute(
         render(admin.JOB_CANCEL_RUNNING, schema),
         {"ids": list(ids), "channel": control_channel(schema)},
     )
     running = cur.fetchall()
+    cur = conn.execute(render(admin.JOB_CANCEL_WAITING, schema), {"ids": list(ids)})
+    waiting = cur.fetchall()
     if waiting:  # wake anyone awaiting these jobs' results
         conn.execute(*results_notice(schema))
     return len(waiting) + len(running)

@@ -261,14 +261,19 @@ async def replay_jobs_async(conn: AsyncConn, schema: str, ids: Sequence[int]) ->
 async def cancel_jobs_async(conn: AsyncConn, schema: str, ids: Sequence[int]) -> int:
     """Cancel jobs: waiting and dead ones move to history as cancelled at once; for
     running (lease-mode) ones the worker is asked to stop them, and it records the
-    cancellation. Returns how many were cancelled or asked to stop."""
-    cur = await conn.execute(render(admin.JOB_CANCEL_WAITING, schema), {"ids": list(ids)})
-    waiting = await cur.fetchall()
+    cancellation. Returns how many were cancelled or asked to stop.
+
+    Running ones first: the completion of a running step locks its job's row, then its
+    workflow's; a cancel of waiting steps locks their workflow's (their DELETE's trigger
+    ends them), so asking a running step to stop after that could wait for a completion
+    that waits for this transaction."""
     cur = await conn.execute(
         render(admin.JOB_CANCEL_RUNNING, schema),
         {"ids": list(ids), "channel": control_channel(schema)},
     )
     running = await cur.fetchall()
+    cur = await conn.execute(render(admin.JOB_CANCEL_WAITING, schema), {"ids": list(ids)})
+    waiting = await cur.fetchall()
     if waiting:  # wake anyone awaiting these jobs' results
         await conn.execute(*results_notice(schema))
     return len(waiting) + len(running)

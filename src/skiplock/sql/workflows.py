@@ -234,15 +234,21 @@ WHERE s.workflow_id = %(id)s
 ORDER BY s.step
 """
 
-# Cancelling a workflow: marked cancelled first, so that the steps ended after it leave it
-# so; then its live steps are cancelled as `jobs cancel` cancels jobs (client.cancel_jobs:
-# the waiting ones to history, whose DELETE's trigger counts them as ended; the running
-# ones asked to stop). A workflow's live steps are found by a scan of the live jobs: the
-# hot table is small, and an index of workflow_id would be written by every step's moves.
+# Cancelling a workflow: its live steps are cancelled as `jobs cancel` cancels jobs
+# (client.cancel_jobs: the running ones asked to stop, the waiting ones to history, whose
+# DELETE's trigger counts them as ended), then it is marked cancelled, so that the steps
+# that end after it leave it so. Marked last, in the order a step's completion locks the
+# rows (its job, its step, then the workflow): marked first, the cancel held the
+# workflow's row while it waited for a completing step's job, and that completion waited
+# for the workflow's row, a deadlock PostgreSQL broke by failing one of them. Cancelling
+# the last live steps may have ended it failed already, in this transaction (finished
+# now()); a workflow that ended by another's commit is left as it ended. A workflow's
+# live steps are found by a scan of the live jobs: the hot table is small, and an index
+# of workflow_id would be written by every step's moves.
 WORKFLOW_CANCEL = """
 UPDATE {workflows}
 SET state = 'cancelled', finished_at = coalesce(finished_at, now())
-WHERE id = %(id)s AND state = 'running'
+WHERE id = %(id)s AND (state = 'running' OR (state = 'failed' AND finished_at = now()))
 RETURNING id
 """
 
