@@ -92,6 +92,11 @@ def test_cancel_ends_every_step_and_the_workflow(sem: Sem, run_cli: RunCli) -> N
     assert missing.code != 0
 
 
+# Fragments of the statements that meet: the cancel of waiting jobs, a lease completion.
+CANCEL_WAITING = "state IN ('waiting', 'blocked', 'scheduled'"
+COMPLETION = "WITH durable AS"
+
+
 def _lock_waiter(sem: Sem, statement: str) -> bool:
     """True while a session runs this schema's ``statement`` (a fragment of its text) and
     waits for a row lock another transaction holds."""
@@ -136,9 +141,9 @@ def test_cancelling_a_workflow_while_one_of_its_steps_ends_deadlocks_neither(
     with sem.connect(autocommit=False) as holder:
         holder.execute(f'SELECT FROM "{sem.schema}".jobs WHERE id = %s FOR UPDATE', (after_id,))
         cancel.start()
-        wait_until(lambda: _lock_waiter(sem, "DELETE"), 15, "the cancel to wait for the row")
+        wait_until(lambda: _lock_waiter(sem, CANCEL_WAITING), 15, "the cancel to wait for the row")
         release.set()
-        wait_until(lambda: _lock_waiter(sem, "durable"), 15, "the completion to wait")
+        wait_until(lambda: _lock_waiter(sem, COMPLETION), 15, "the completion to wait")
         holder.rollback()
     cancel.join(30)
 
