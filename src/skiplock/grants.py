@@ -162,6 +162,9 @@ FUNCTIONS: dict[str, tuple[str, frozenset[Use]]] = {
     # DEFINER, so not PUBLIC's.
     "workflow_steps_end": ("ended bigint[], outcomes text[]", frozenset({Use.WORKER, Use.ADMIN})),
     "workflow_step_retried": ("retried bigint", frozenset({Use.WORKER, Use.ADMIN})),
+    # Waiting steps' rows locked before an operator's cancel or delete of their jobs
+    # (0036): SECURITY DEFINER, it only locks.
+    "workflow_steps_lock": ("ids bigint[]", frozenset({Use.WORKER, Use.ADMIN})),
     # A workflow from SQL (0023): SECURITY INVOKER, so PUBLIC keeps EXECUTE as well; the
     # caller's privileges on the tables decide.
     "enqueue_workflow": ("workflow jsonb", _EVERY_USE),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from dataclasses import dataclass
 
 import pytest
 
@@ -92,20 +93,63 @@ def test_cancel_ends_every_step_and_the_workflow(sem: Sem, run_cli: RunCli) -> N
     assert missing.code != 0
 
 
-# Fragments of the statements that meet: the cancel of waiting jobs, a lease completion.
-CANCEL_WAITING = "state IN ('waiting', 'blocked', 'scheduled'"
-COMPLETION = "WITH durable AS"
+# Fragments of the statements that meet: a cancel's (of waiting jobs, or its lock of
+# their steps first), a lease completion's.
+CANCEL = ("state IN ('waiting', 'blocked', 'scheduled'", "workflow_steps_lock(")
+COMPLETION = ("WITH durable AS",)
 
 
-def _lock_waiter(sem: Sem, statement: str) -> bool:
-    """True while a session runs this schema's ``statement`` (a fragment of its text) and
-    waits for a row lock another transaction holds."""
+def _lock_waiter(sem: Sem, statements: tuple[str, ...]) -> bool:
+    """True while a session runs one of this schema's ``statements`` (a fragment of its
+    text) and waits for a row lock another transaction holds."""
     rows = sem.execute(
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-        "AND wait_event_type = 'Lock' AND query LIKE %s AND query LIKE %s",
-        (f"%{sem.schema}%", f"%{statement}%"),
+        "AND wait_event_type = 'Lock' AND query LIKE %s AND query LIKE ANY(%s)",
+        (f"%{sem.schema}%", [f"%{s}%" for s in statements]),
     )
     return int(rows[0][0]) > 0
+
+
+@dataclass
+class _Meeting:
+    """A workflow whose first step runs until ``release`` is set, and a step after it in
+    a queue no worker serves (released, it stays where a cancel finds it)."""
+
+    ref: skiplock.WorkflowRef
+    slow_id: int
+    after_id: int
+    release: threading.Event
+
+
+def _meeting(sem: Sem, workers: StartWorkers) -> _Meeting:
+    release = threading.Event()
+
+    @sem.app.task(name="slow")
+    def slow() -> None:
+        release.wait(30)
+
+    @sem.app.task(name="noop", queue="elsewhere")
+    def noop() -> None: ...
+
+    wf = sem.app.workflow()
+    first = wf.add(slow.job(), name="slow")
+    wf.add(noop.job(), name="after", after=[first])
+    ref = enqueue(sem, wf)
+    meeting = _Meeting(ref, int(ref.steps["slow"]), int(ref.steps["after"]), release)
+    workers(1)
+    sem.wait_for_state(meeting.slow_id, "running")
+    return meeting
+
+
+def _cli_in_thread(run_cli: RunCli, *args: str) -> tuple[threading.Thread, list[CliResult]]:
+    results: list[CliResult] = []
+    thread = threading.Thread(target=lambda: results.append(run_cli(*args)))
+    thread.start()
+    return thread, results
+
+
+def _deadlocks(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "deadlock" in r.getMessage()]
 
 
 def test_cancelling_a_workflow_while_one_of_its_steps_ends_deadlocks_neither(
@@ -114,43 +158,51 @@ def test_cancelling_a_workflow_while_one_of_its_steps_ends_deadlocks_neither(
     """The cancel and the completion of a running step meet on the same rows, whichever
     is first: each waits for the other's commit, neither for a lock the other waits
     behind (PostgreSQL would break such a cycle by failing one of them)."""
-    release = threading.Event()
-
-    @sem.app.task(name="slow")
-    def slow() -> None:
-        release.wait(30)
-
-    @sem.app.task(name="noop")
-    def noop() -> None: ...
-
-    wf = sem.app.workflow()
-    first = wf.add(slow.job(), name="slow")
-    wf.add(noop.job(), name="after", after=[first])
-    ref = enqueue(sem, wf)
-    slow_id, after_id = int(ref.steps["slow"]), int(ref.steps["after"])
-    workers(1)
-    sem.wait_for_state(slow_id, "running")
-
+    m = _meeting(sem, workers)
     caplog.set_level(logging.WARNING)
-    results: list[CliResult] = []
-    cancel = threading.Thread(
-        target=lambda: results.append(run_cli("workflows", "cancel", str(ref.id)))
-    )
-    # The waiting step's row held, the cancel stops there; the step then ends meanwhile,
+    # The waiting step's job held, the cancel stops there; the running step then ends,
     # and its completion stops too, behind one or the other.
     with sem.connect(autocommit=False) as holder:
-        holder.execute(f'SELECT FROM "{sem.schema}".jobs WHERE id = %s FOR UPDATE', (after_id,))
-        cancel.start()
-        wait_until(lambda: _lock_waiter(sem, CANCEL_WAITING), 15, "the cancel to wait for the row")
-        release.set()
+        holder.execute(f'SELECT FROM "{sem.schema}".jobs WHERE id = %s FOR UPDATE', (m.after_id,))
+        cancel, results = _cli_in_thread(run_cli, "workflows", "cancel", str(m.ref.id))
+        wait_until(lambda: _lock_waiter(sem, CANCEL), 15, "the cancel to wait for the row")
+        m.release.set()
         wait_until(lambda: _lock_waiter(sem, COMPLETION), 15, "the completion to wait")
         holder.rollback()
     cancel.join(30)
 
     assert len(results) == 1, "the cancel did not return"
     assert results[0].code == 0, results[0]
-    sem.wait_for_state(slow_id, "completed", "cancelled")
-    deadlocks = [r.getMessage() for r in caplog.records if "deadlock" in r.getMessage()]
-    assert deadlocks == []
-    assert workflow_state(sem, ref.id) == "cancelled"
-    assert sem.state_of(after_id) == "cancelled"
+    sem.wait_for_state(m.slow_id, "completed", "cancelled")
+    assert _deadlocks(caplog) == []
+    assert workflow_state(sem, m.ref.id) == "cancelled"
+    assert sem.state_of(m.after_id) == "cancelled"
+
+
+def test_cancelling_a_waiting_step_while_its_parent_releases_it_deadlocks_neither(
+    sem: Sem, workers: StartWorkers, run_cli: RunCli, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A completion counts a child (its step's row) before it releases it (its job's);
+    a cancel of the waiting child takes them in that order too."""
+    m = _meeting(sem, workers)
+    caplog.set_level(logging.WARNING)
+    # The waiting step's row held, the parent's completion stops at its count; the
+    # cancel of that step by hand comes next and stops too.
+    with sem.connect(autocommit=False) as holder:
+        holder.execute(
+            f'SELECT FROM "{sem.schema}".workflow_steps WHERE job_id = %s FOR UPDATE',
+            (m.after_id,),
+        )
+        m.release.set()
+        wait_until(lambda: _lock_waiter(sem, COMPLETION), 15, "the completion to wait")
+        cancel, results = _cli_in_thread(run_cli, "jobs", "cancel", str(m.after_id))
+        wait_until(lambda: _lock_waiter(sem, CANCEL), 15, "the cancel to wait")
+        holder.rollback()
+    cancel.join(30)
+
+    assert len(results) == 1, "the cancel did not return"
+    assert results[0].code == 0, results[0]
+    sem.wait_for_state(m.slow_id, "completed")
+    assert _deadlocks(caplog) == []
+    assert sem.state_of(m.after_id) == "cancelled"
+    assert workflow_state(sem, m.ref.id) == "failed"

@@ -266,12 +266,14 @@ async def cancel_jobs_async(conn: AsyncConn, schema: str, ids: Sequence[int]) ->
     Running ones first: the completion of a running step locks its job's row, then its
     workflow's; a cancel of waiting steps locks their workflow's (their DELETE's trigger
     ends them), so asking a running step to stop after that could wait for a completion
-    that waits for this transaction."""
+    that waits for this transaction. The waiting ones' step rows are locked before their
+    jobs, as a parent's completion locks them (it counts a child, then releases it)."""
     cur = await conn.execute(
         render(admin.JOB_CANCEL_RUNNING, schema),
         {"ids": list(ids), "channel": control_channel(schema)},
     )
     running = await cur.fetchall()
+    await conn.execute(render(admin.WORKFLOW_STEPS_LOCK, schema), {"ids": list(ids)})
     cur = await conn.execute(render(admin.JOB_CANCEL_WAITING, schema), {"ids": list(ids)})
     waiting = await cur.fetchall()
     if waiting:  # wake anyone awaiting these jobs' results
@@ -280,7 +282,9 @@ async def cancel_jobs_async(conn: AsyncConn, schema: str, ids: Sequence[int]) ->
 
 
 async def delete_jobs_async(conn: AsyncConn, schema: str, ids: Sequence[int]) -> int:
-    """Remove jobs that are not running, leaving no history."""
+    """Remove jobs that are not running, leaving no history (step rows first, as
+    cancel_jobs_async locks them)."""
+    await conn.execute(render(admin.WORKFLOW_STEPS_LOCK, schema), {"ids": list(ids)})
     cur = await conn.execute(render(admin.JOB_DELETE, schema), {"ids": list(ids)})
     return len(await cur.fetchall())
 

@@ -77,6 +77,10 @@ WITH moved AS (
     + NOTIFY_MOVED
 )
 
+# Before a cancel or a delete of waiting jobs: the step rows of those that are workflow
+# steps, locked in the order a parent's completion takes them (migration 0036).
+WORKFLOW_STEPS_LOCK = "SELECT {schema}.workflow_steps_lock(%(ids)s::bigint[])"
+
 JOB_CANCEL_WAITING = """
 WITH gone AS (
     DELETE FROM {jobs}
