@@ -280,8 +280,8 @@ def cancel_jobs(conn: Conn, schema: str, ids: Sequence[int]) -> int:
 
 
 def delete_jobs(conn: Conn, schema: str, ids: Sequence[int]) -> int:
-    """Remove jobs that are not running, leaving no history (step rows first, as
-    cancel_jobs_async locks them)."""
+    """Remove jobs that are not running, leaving no history (their step rows locked
+    first, as a cancel locks them)."""
     conn.execute(render(admin.WORKFLOW_STEPS_LOCK, schema), {"ids": list(ids)})
     cur = conn.execute(render(admin.JOB_DELETE, schema), {"ids": list(ids)})
     return len(cur.fetchall())

@@ -282,8 +282,8 @@ async def cancel_jobs_async(conn: AsyncConn, schema: str, ids: Sequence[int]) ->
 
 
 async def delete_jobs_async(conn: AsyncConn, schema: str, ids: Sequence[int]) -> int:
-    """Remove jobs that are not running, leaving no history (step rows first, as
-    cancel_jobs_async locks them)."""
+    """Remove jobs that are not running, leaving no history (their step rows locked
+    first, as a cancel locks them)."""
     await conn.execute(render(admin.WORKFLOW_STEPS_LOCK, schema), {"ids": list(ids)})
     cur = await conn.execute(render(admin.JOB_DELETE, schema), {"ids": list(ids)})
     return len(await cur.fetchall())
