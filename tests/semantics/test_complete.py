@@ -166,8 +166,10 @@ def test_a_completion_that_cannot_be_fails_the_attempt_saying_why(
     workers(1, queues=["default", "ledger"], **LEASE)
     ref = sem.enqueue(sem.app.tasks["bad"])
     if how == "twice":
-        # The first call completed the job; the second is refused.
+        # The first call completed the job; the second is refused, a moment later: the
+        # job's state can be read before the handler has made that second call.
         sem.wait_for_state(ref, "completed", timeout=PATIENCE)
+        wait_until(lambda: bool(seen), PATIENCE, "the second call's refusal")
         assert len(seen) == 1 and expected in str(seen[0])
         return
     job = sem.wait_for_state(ref, "dead", timeout=PATIENCE)
