@@ -1,9 +1,14 @@
 """What a step's end reads: its own row and its children's by index, never its siblings
-(0027). Counted by the server for the test's own transaction (pg_stat_xact_user_tables),
-not timed."""
+(0027); and what it writes: each row once (0037). Counted by the server for the test's own
+transaction (pg_stat_xact_user_tables, its WAL records), not timed."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
 import pytest
 
 from workflows.conftest import Sem
@@ -52,6 +57,18 @@ def test_ending_parents_of_a_large_fan_in_reads_no_row_per_sibling(sem: Sem) -> 
 PAST_DAYS = 3
 
 
+def _complete(conn: psycopg.Connection[Any], schema: str, ids: list[int]) -> None:
+    """A completion as the worker writes it: the rows into history, in one statement."""
+    conn.execute(
+        f'WITH gone AS (DELETE FROM "{schema}".jobs WHERE id = ANY(%s) RETURNING *) '
+        f'INSERT INTO "{schema}".job_history (id, queue, task, args, state, priority, '
+        "attempts, max_attempts, errors, created_at) "
+        "SELECT id, queue, task, args, 'completed', priority, attempts, max_attempts, "
+        "errors, created_at FROM gone",
+        (ids,),
+    )
+
+
 @pytest.mark.parametrize(
     ("history", "outcome"),
     [("written by the same statement", "completed"), ("none (deleted by hand)", "cancelled")],
@@ -90,14 +107,7 @@ def test_a_step_end_looks_for_its_history_row_in_todays_partitions_only(
         # for one) are in these too: what counts is what the step's end adds.
         before = conn.execute(scans, (s, past)).fetchall()
         if history.startswith("written"):
-            conn.execute(
-                f'WITH gone AS (DELETE FROM "{s}".jobs WHERE id = %s RETURNING *) '
-                f'INSERT INTO "{s}".job_history (id, queue, task, args, state, priority, '
-                "attempts, max_attempts, errors, created_at) "
-                "SELECT id, queue, task, args, 'completed', priority, attempts, max_attempts, "
-                "errors, created_at FROM gone",
-                (root_id,),
-            )
+            _complete(conn, s, [root_id])
         else:
             conn.execute(f'DELETE FROM "{s}".jobs WHERE id = %s', (root_id,))
         after = conn.execute(scans, (s, past)).fetchall()
@@ -109,3 +119,123 @@ def test_a_step_end_looks_for_its_history_row_in_todays_partitions_only(
     assert ended == (outcome,)
     assert len(before) == PAST_DAYS
     assert sorted(after) == sorted(before), (before, after)
+
+
+def test_a_step_end_writes_each_row_it_changes_without_locking_it_first(sem: Sem) -> None:
+    """The ended step, its children and its workflow are each locked by the UPDATE that
+    writes them (in id order, as the plan reads them), not first by a FOR UPDATE: a lock
+    is a WAL record and a write of the row of its own, per row. The transaction that
+    completes a root of three children writes no row lock, and still releases them."""
+
+    @sem.app.task(name="noop")
+    def noop() -> None: ...
+
+    wf = sem.app.workflow()
+    root = wf.add(noop.job(), name="root")
+    children = [wf.add(noop.job(), name=f"c{n}", after=[root]) for n in range(3)]
+    wf.add(noop.job(), name="last", after=children)
+    ref = enqueue(sem, wf)
+    s = sem.schema
+
+    with sem.connect(autocommit=False) as conn:
+        # One extension per database, and the suite's workers share it.
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext('pg_walinspect'))")
+        conn.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect SCHEMA public")
+        conn.commit()
+        start = conn.execute("SELECT pg_current_wal_insert_lsn()").fetchone()
+        _complete(conn, s, [int(ref.steps["root"])])
+        xid = conn.execute("SELECT pg_current_xact_id()::text::xid::text").fetchone()
+        conn.commit()
+        assert start is not None and xid is not None
+        records = conn.execute(
+            "SELECT resource_manager, record_type, count(*) "
+            "FROM public.pg_get_wal_records_info(%s, pg_current_wal_flush_lsn()) "
+            "WHERE xid::text = %s GROUP BY 1, 2 ORDER BY 1, 2",
+            (start[0], xid[0]),
+        ).fetchall()
+        conn.rollback()
+
+    assert [sem.state_of(ref.steps[f"c{n}"]) for n in range(3)] == ["available"] * 3
+    assert sem.state_of(ref.steps["last"]) == "waiting"
+    assert any(rmgr == "Heap" for rmgr, _, _ in records), records  # the WAL was read
+    locks = [row for row in records if row[1].startswith("LOCK")]
+    assert locks == [], records
+
+
+def _nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield node
+    for child in node.get("Plans", ()):
+        yield from _nodes(child)
+
+
+@pytest.mark.parametrize("statistics", ["none yet", "analyzed"])
+def test_each_write_of_a_step_end_takes_its_rows_in_id_order(sem: Sem, statistics: str) -> None:
+    """No FOR UPDATE orders the locks (0037): each UPDATE of a step's end locks rows as its
+    plan reads them, so that plan must read its targets in id order, by a nested loop
+    whose outer side is the sorted subquery and whose inner side is the target's primary
+    key. Read from the plans auto_explain sends for the statements of the completion of
+    two workflows' roots, with the tables new (no statistics) and analyzed."""
+
+    @sem.app.task(name="noop")
+    def noop() -> None: ...
+
+    roots = []
+    for _ in range(2):
+        wf = sem.app.workflow()
+        root = wf.add(noop.job(), name="root")
+        children = [wf.add(noop.job(), name=f"c{n}", after=[root]) for n in range(5)]
+        wf.add(noop.job(), name="last", after=children)
+        roots.append(int(enqueue(sem, wf).steps["root"]))
+    s = sem.schema
+    if statistics == "analyzed":
+        sem.execute("ANALYZE {schema}.jobs, {schema}.workflow_steps, {schema}.workflows")
+    plans: list[dict[str, Any]] = []
+
+    def collect(notice: psycopg.errors.Diagnostic) -> None:
+        text = notice.message_primary or ""
+        if "plan:" in text:
+            plans.append(json.loads(text.split("plan:", 1)[1])["Plan"])
+
+    with sem.connect(autocommit=False) as conn:
+        conn.execute("LOAD 'auto_explain'")
+        for name, value in [
+            ("log_min_duration", "0"),
+            ("log_nested_statements", "on"),
+            ("log_format", "json"),
+            ("log_level", "notice"),
+        ]:
+            conn.execute(f"SET auto_explain.{name} = {value}")
+        conn.add_notice_handler(collect)
+        _complete(conn, s, roots)
+        released = conn.execute(
+            f"SELECT count(*) FROM \"{s}\".jobs WHERE state = 'available'"
+        ).fetchone()
+        conn.rollback()
+
+    assert released == (10,)
+    updates = [
+        node
+        for plan in plans
+        for node in _nodes(plan)
+        if node["Node Type"] == "ModifyTable"
+        and node["Operation"] == "Update"
+        and node["Relation Name"] in ("workflow_steps", "workflows")
+    ]
+    # The marks, the children's counts and the workflows.
+    assert sorted(u["Relation Name"] for u in updates) == [
+        "workflow_steps",
+        "workflow_steps",
+        "workflows",
+    ], plans
+    for update in updates:
+        (join,) = update["Plans"]
+        assert join["Node Type"] == "Nested Loop", update
+        outer, inner = join["Plans"]
+        # The subquery's ORDER BY holds whichever path gives it (a sort, or an index
+        # read in that order); a subquery that sorts is never flattened into the join.
+        assert outer["Node Type"] == "Subquery Scan", update
+        if inner["Node Type"] == "Memoize":  # a cache of the probes, in the outer's order
+            (inner,) = inner["Plans"]
+        assert inner["Node Type"] == "Index Scan", update
+        assert inner["Relation Name"] == update["Relation Name"], update
+        assert inner["Index Name"] == f"{update['Relation Name']}_pkey", update
