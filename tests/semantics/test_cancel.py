@@ -10,12 +10,14 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import psycopg
 import pytest
 
 import skiplock
+from conftest import wait_until
 from skiplock import client
 
-from .conftest import Calls, RunCli, Sem, StartWorkers
+from .conftest import Calls, CliResult, RunCli, Sem, StartWorkers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -201,6 +203,54 @@ def test_a_missed_cancel_notification_is_caught_up_by_the_heartbeat(
     finally:
         gate.release.set()
     assert_cancelled_while_running(job)
+
+
+def test_a_cancel_the_database_rolls_back_says_so_and_to_run_it_again(
+    sem: Sem, run_cli: RunCli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deadlock is not a lost connection: the command's transaction was rolled back,
+    nothing it changed was kept, and running it again is the remedy. Here another session
+    holds the second of two jobs, waits for the cancel to stop on it, then asks for the
+    first, which the cancel holds: PostgreSQL breaks the cycle by failing the cancel (its
+    deadlock_timeout the shorter)."""
+
+    @sem.app.task(name="mail", queue="elsewhere")
+    def mail(n: int) -> None: ...
+
+    first, second = sem.enqueue(mail, n=1), sem.enqueue(mail, n=2)
+    monkeypatch.setenv("PGOPTIONS", "-c deadlock_timeout=2s")  # the CLI's session
+    lock = f'SELECT 1 FROM "{sem.schema}".jobs WHERE id = %s FOR UPDATE'
+    with sem.connect(autocommit=False) as holder:
+        holder.execute("SET deadlock_timeout = '60s'")
+        holder.execute(lock, (second,))
+        results: list[CliResult] = []
+        thread = threading.Thread(
+            target=lambda: results.append(
+                run_cli("jobs", "cancel", "--all", "--queue", "elsewhere", "--yes")
+            )
+        )
+        thread.start()
+        wait_until(
+            lambda: sem.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> %s AND wait_event_type = 'Lock' AND query LIKE %s",
+                (holder.info.backend_pid, f"%{sem.schema}%"),
+            )[0][0],
+            10,
+            "the cancel to wait for the second job",
+        )
+        with pytest.raises(psycopg.errors.LockNotAvailable), holder.transaction():
+            holder.execute(lock + " NOWAIT", (first,))  # the cancel holds the first
+        holder.execute(lock, (first,))  # returns once the cancel was rolled back
+        holder.rollback()
+        thread.join(30)
+
+    (result,) = results
+    assert result.code == 2
+    assert "rolled back" in result.err and "deadlock detected" in result.err, result
+    assert "run the command again" in result.err, result
+    assert "cannot reach" not in result.err, result
+    assert [sem.state_of(first), sem.state_of(second)] == ["available", "available"]
 
 
 def test_the_cli_cancels_a_running_job(sem: Sem, workers: StartWorkers, run_cli: RunCli) -> None:

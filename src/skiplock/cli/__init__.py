@@ -145,7 +145,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except psycopg.OperationalError as exc:
         reason = routing.without_passwords(first_line(exc), *masked.urls)
-        print(f"skiplock: cannot reach the database: {reason}", file=sys.stderr)
+        if (exc.sqlstate or "").startswith("40"):
+            # A deadlock or a serialization failure (psycopg makes them OperationalErrors
+            # too): the connection is fine, and the transaction's changes are gone whole.
+            print(
+                f"skiplock: the database rolled back this command's transaction "
+                f"({reason}); run the command again",
+                file=sys.stderr,
+            )
+        else:
+            print(f"skiplock: cannot reach the database: {reason}", file=sys.stderr)
         return 2
     except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:
         print(
