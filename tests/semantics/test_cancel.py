@@ -218,7 +218,7 @@ def test_a_cancel_the_database_rolls_back_says_so_and_to_run_it_again(
     def mail(n: int) -> None: ...
 
     first, second = sem.enqueue(mail, n=1), sem.enqueue(mail, n=2)
-    monkeypatch.setenv("PGOPTIONS", "-c deadlock_timeout=2s")  # the CLI's session
+    monkeypatch.setenv("PGOPTIONS", "-c deadlock_timeout=3s")  # the CLI's session
     lock = f'SELECT 1 FROM "{sem.schema}".jobs WHERE id = %s FOR UPDATE'
     with sem.connect(autocommit=False) as holder:
         holder.execute("SET deadlock_timeout = '60s'")

@@ -75,6 +75,17 @@ def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
+def operational_error(exc: psycopg.OperationalError, reason: str) -> str:
+    """What went wrong, said for the one who runs the command again or checks the URL."""
+    if (exc.sqlstate or "").startswith("40"):
+        # A deadlock or a serialization failure (psycopg makes them OperationalErrors too):
+        # the connection is fine, and the transaction's changes are gone whole.
+        return (
+            f"the database rolled back this command's transaction ({reason}); run the command again"
+        )
+    return f"cannot reach the database: {reason}"
+
+
 def add_global_options(parser: argparse.ArgumentParser, default: Any = None) -> None:
     """The options every command takes, before it or after it."""
     options: argparse.ArgumentParser | argparse._ArgumentGroup = parser
@@ -145,16 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except psycopg.OperationalError as exc:
         reason = routing.without_passwords(first_line(exc), *masked.urls)
-        if (exc.sqlstate or "").startswith("40"):
-            # A deadlock or a serialization failure (psycopg makes them OperationalErrors
-            # too): the connection is fine, and the transaction's changes are gone whole.
-            print(
-                f"skiplock: the database rolled back this command's transaction "
-                f"({reason}); run the command again",
-                file=sys.stderr,
-            )
-        else:
-            print(f"skiplock: cannot reach the database: {reason}", file=sys.stderr)
+        print(f"skiplock: {operational_error(exc, reason)}", file=sys.stderr)
         return 2
     except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:
         print(

@@ -4,12 +4,13 @@
 -- A row lock is a write of its own: the row's header, and a WAL record. The UPDATE
 -- alone locks each row as it writes it, in the order its plan reads them: each UPDATE
 -- now joins its target by primary key to a subquery sorted by that key (a sorted
--- subquery is not flattened, and every join the function may plan, with hash and merge
--- joins off, reads its outer side in order), so rows are still locked in id order and
--- two enders still never wait for each other in a cycle. Exactly once as before: an
--- UPDATE that meets a row another ender changed since its snapshot waits for it, then
--- re-checks the row's newest version (READ COMMITTED) and computes from that one.
--- Otherwise 0034's function.
+-- subquery is not flattened), and the function plans nested loops only, which read
+-- that subquery first (tests/workflows/test_costs.py reads the plans). So rows are still
+-- locked in id order, and two enders never wait for each other in a cycle; a plan that
+-- read them otherwise could only let them deadlock, which PostgreSQL breaks and the
+-- completer retries. Exactly once as before: an UPDATE that meets a row another ender
+-- changed since its snapshot waits for it, then re-checks the row's newest version
+-- (READ COMMITTED) and computes from that one. Otherwise 0034's function.
 SELECT set_config('search_path', format('%I, pg_temp', current_schema()), true);
 
 CREATE OR REPLACE FUNCTION workflow_steps_end(ended bigint[], outcomes text[]) RETURNS void
