@@ -38,14 +38,16 @@ def copy_jobs(
     *,
     state: str = "available",
     run_at: str = "now()",
+    max_attempts: int = 3,
 ) -> None:
-    """Insert ``count`` argument-less jobs in one statement (setup, not measured)."""
+    """Insert ``count`` argument-less jobs in one statement (setup, not measured). Rows
+    written by hand do not get their task's options: pass its ``max_attempts``."""
     conn.execute(
         sql.SQL(
-            "INSERT INTO {} (task, args, state, run_at) "
-            "SELECT %s, '{{}}'::jsonb, %s, " + run_at + " FROM generate_series(1, %s)"
+            "INSERT INTO {} (task, args, state, run_at, max_attempts) "
+            "SELECT %s, '{{}}'::jsonb, %s, " + run_at + ", %s FROM generate_series(1, %s)"
         ).format(sql.Identifier(schema, "jobs")),
-        (task, state, count),
+        (task, state, max_attempts, count),
     )
 
 

@@ -18,13 +18,14 @@ from psycopg import sql
 
 from skiplock.bench.load import copy_jobs, fresh_schema
 from skiplock.bench.measure import Figure, Report, Settings
-from skiplock.bench.tasks import EFFECT_STEPS
+from skiplock.bench.tasks import EFFECT_STEPS, app
 from skiplock.bench.workers import WORKER_ARGS, stop_processes
 from skiplock.demo import worker_command, worker_env
 
 MOST_JOBS = 1_000
 MOST_SLOTS = 10
 KILL_EVERY = 1.0
+EFFECTFUL = "bench.effectful"
 
 
 def _spawn(url: str, schema: str, slots: int) -> subprocess.Popen[bytes]:
@@ -39,9 +40,20 @@ def _spawn(url: str, schema: str, slots: int) -> subprocess.Popen[bytes]:
     )
 
 
-def _left(conn: psycopg.Connection[Any], schema: str) -> int:
+def enqueue(conn: psycopg.Connection[Any], schema: str, count: int) -> None:
+    """The scenario's jobs, with the task's attempts: a job can lose one attempt to each
+    kill, and the figure is the effects repeated, not the jobs that ran out of them."""
+    copy_jobs(
+        conn, schema, EFFECTFUL, count, max_attempts=app.tasks[EFFECTFUL].options.max_attempts
+    )
+
+
+def left(conn: psycopg.Connection[Any], schema: str) -> int:
+    """Jobs still to run: a dead one never will (it counts as lost)."""
     row = conn.execute(
-        sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "jobs"))
+        sql.SQL("SELECT count(*) FROM {} WHERE state <> 'dead'").format(
+            sql.Identifier(schema, "jobs")
+        )
     ).fetchone()
     return int(row[0]) if row else 0
 
@@ -56,13 +68,13 @@ def _one_run(settings: Settings, count: int) -> dict[str, float]:
                 "at timestamptz NOT NULL DEFAULT clock_timestamp())"
             ).format(sql.Identifier(s.schema, "bench_effects"))
         )
-        copy_jobs(conn, s.schema, "bench.effectful", count)
+        enqueue(conn, s.schema, count)
         children = [_spawn(s.url, s.schema, slots) for _ in range(s.processes)]
         killed: set[int] = set()
         kills, started = 0, time.monotonic()
         last_kill = started
         try:
-            while _left(conn, s.schema):
+            while left(conn, s.schema):
                 if time.monotonic() - started > 600:
                     raise RuntimeError("the steps-chaos jobs did not finish within 600 s")
                 if time.monotonic() - last_kill >= KILL_EVERY:
