@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+import psycopg
 
 import skiplock
 from conftest import wait_until
 from semantics.conftest import Sem
+from skiplock.sql import render
 
 
 def enqueue(sem: Sem, workflow: skiplock.Workflow) -> skiplock.WorkflowRef:
@@ -15,6 +19,22 @@ def enqueue(sem: Sem, workflow: skiplock.Workflow) -> skiplock.WorkflowRef:
         ref = workflow.enqueue(conn)
         conn.commit()
     return ref
+
+
+def complete_by_hand(conn: psycopg.Connection[Any], schema: str, ids: Sequence[int]) -> None:
+    """A completion as the worker writes it: the rows into history, in one statement
+    (whose DELETE ends the steps), with the result 1."""
+    conn.execute(
+        render(
+            "WITH done AS (DELETE FROM {jobs} WHERE id = ANY(%s) RETURNING *) "
+            "INSERT INTO {history} (id, queue, task, args, state, priority, attempts, "
+            "max_attempts, errors, result, created_at) "
+            "SELECT id, queue, task, args, 'completed', priority, attempts, max_attempts, "
+            "errors, '1', created_at FROM done",
+            schema,
+        ),
+        (list(ids),),
+    )
 
 
 def failing_task(sem: Sem, message: str) -> skiplock.Task[Any]:

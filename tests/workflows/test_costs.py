@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from workflows.conftest import Sem
-from workflows.helpers import enqueue
+from workflows.helpers import complete_by_hand, enqueue
 
 pytestmark = pytest.mark.server_version
 
@@ -57,18 +57,6 @@ def test_ending_parents_of_a_large_fan_in_reads_no_row_per_sibling(sem: Sem) -> 
 PAST_DAYS = 3
 
 
-def _complete(conn: psycopg.Connection[Any], schema: str, ids: list[int]) -> None:
-    """A completion as the worker writes it: the rows into history, in one statement."""
-    conn.execute(
-        f'WITH gone AS (DELETE FROM "{schema}".jobs WHERE id = ANY(%s) RETURNING *) '
-        f'INSERT INTO "{schema}".job_history (id, queue, task, args, state, priority, '
-        "attempts, max_attempts, errors, created_at) "
-        "SELECT id, queue, task, args, 'completed', priority, attempts, max_attempts, "
-        "errors, created_at FROM gone",
-        (ids,),
-    )
-
-
 @pytest.mark.parametrize(
     ("history", "outcome"),
     [("written by the same statement", "completed"), ("none (deleted by hand)", "cancelled")],
@@ -107,7 +95,7 @@ def test_a_step_end_looks_for_its_history_row_in_todays_partitions_only(
         # for one) are in these too: what counts is what the step's end adds.
         before = conn.execute(scans, (s, past)).fetchall()
         if history.startswith("written"):
-            _complete(conn, s, [root_id])
+            complete_by_hand(conn, s, [root_id])
         else:
             conn.execute(f'DELETE FROM "{s}".jobs WHERE id = %s', (root_id,))
         after = conn.execute(scans, (s, past)).fetchall()
@@ -143,7 +131,7 @@ def test_a_step_end_writes_each_row_it_changes_without_locking_it_first(sem: Sem
         conn.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect SCHEMA public")
         conn.commit()
         start = conn.execute("SELECT pg_current_wal_insert_lsn()").fetchone()
-        _complete(conn, s, [int(ref.steps["root"])])
+        complete_by_hand(conn, s, [int(ref.steps["root"])])
         xid = conn.execute("SELECT pg_current_xact_id()::text::xid::text").fetchone()
         conn.commit()
         assert start is not None and xid is not None
@@ -206,7 +194,7 @@ def test_each_write_of_a_step_end_takes_its_rows_in_id_order(sem: Sem, statistic
         ]:
             conn.execute(f"SET auto_explain.{name} = {value}")
         conn.add_notice_handler(collect)
-        _complete(conn, s, roots)
+        complete_by_hand(conn, s, roots)
         released = conn.execute(
             f"SELECT count(*) FROM \"{s}\".jobs WHERE state = 'available'"
         ).fetchone()

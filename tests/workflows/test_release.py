@@ -14,9 +14,15 @@ import pytest
 
 import skiplock
 from conftest import wait_until
-from skiplock.sql import complete, render
+from skiplock.sql import complete
 from workflows.conftest import Calls, Sem, StartWorkers
-from workflows.helpers import enqueue, step_states, wait_for_workflow, workflow_state
+from workflows.helpers import (
+    complete_by_hand,
+    enqueue,
+    step_states,
+    wait_for_workflow,
+    workflow_state,
+)
 
 pytestmark = pytest.mark.server_version
 
@@ -78,21 +84,6 @@ def test_a_fan_in_whose_parents_finish_together_releases_its_child_once(
     assert calls.counts == {r: 1 for r in range(5)}
 
 
-def _complete_by_hand(conn: psycopg.Connection[Any], schema: str, job_id: int) -> None:
-    """A completion as the worker writes it: the row into history, in one statement."""
-    conn.execute(
-        render(
-            "WITH done AS (DELETE FROM {jobs} WHERE id = %s RETURNING *) "
-            "INSERT INTO {history} (id, queue, task, args, state, priority, attempts, "
-            "max_attempts, errors, result, created_at) "
-            "SELECT id, queue, task, args, 'completed', priority, attempts, max_attempts, "
-            "errors, '1', created_at FROM done",
-            schema,
-        ),
-        (job_id,),
-    )
-
-
 def test_two_parents_ending_in_concurrent_transactions_release_the_child_once(
     sem: Sem,
 ) -> None:
@@ -108,13 +99,13 @@ def test_two_parents_ending_in_concurrent_transactions_release_the_child_once(
     wf.add(noop.job(), name="d", after=[b, c])
     ref = enqueue(sem, wf)
     with sem.connect(autocommit=False) as first, sem.connect(autocommit=False) as second:
-        _complete_by_hand(first, sem.schema, ref.steps["b"])
+        complete_by_hand(first, sem.schema, [ref.steps["b"]])
         done = threading.Event()
         errors: list[BaseException] = []
 
         def end_c() -> None:
             try:
-                _complete_by_hand(second, sem.schema, ref.steps["c"])
+                complete_by_hand(second, sem.schema, [ref.steps["c"]])
             except BaseException as exc:  # pragma: no cover - reported below
                 errors.append(exc)
             done.set()
